@@ -1,0 +1,153 @@
+"""Owns the model and the paged KV cache; turns one schedule into ONE packed forward pass.
+
+Packed layout of an iteration: decode rows first (one token each), then static padding rows
+(computed and thrown away), then each prefill chunk. No padding between sequences.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from ..model_loader import LoadedModel
+from .paged_attention import ATTN_IMPLEMENTATION, AttentionMetadata, PrefillSpan
+from .scheduler import SchedulerOutput
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class KVCacheSpec:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * torch.finfo(self.dtype).bits // 8
+
+
+def kv_cache_spec(loaded: LoadedModel) -> KVCacheSpec:
+    cfg = loaded.model.config
+    heads = cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    return KVCacheSpec(cfg.num_hidden_layers, getattr(cfg, "num_key_value_heads", heads), head_dim, loaded.dtype)
+
+
+@dataclass
+class ForwardResult:
+    """Logits (float32) of the rows that need a token this iteration, in schedule order."""
+
+    logits: torch.Tensor  # [n, vocab]
+    sample_indices: list[int]  # index into SchedulerOutput.scheduled for each logits row
+
+
+class ModelRunner:
+    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int):
+        self.loaded = loaded
+        self.model = loaded.model
+        self.device = loaded.device
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.model.config._attn_implementation = ATTN_IMPLEMENTATION
+        self.spec = kv_cache_spec(loaded)
+        # One extra block at the end is scratch space for padding rows; it is never handed out.
+        slots = (num_blocks + 1) * block_size
+        self.scratch_slot = num_blocks * block_size
+        shape = (slots, self.spec.num_kv_heads, self.spec.head_dim)
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=loaded.dtype, device=self.device),
+             torch.zeros(shape, dtype=loaded.dtype, device=self.device))
+            for _ in range(self.spec.num_layers)
+        ]
+
+    def _slots(self, block_table: list[int], start: int, end: int) -> list[int]:
+        bs = self.block_size
+        return [block_table[p // bs] * bs + p % bs for p in range(start, end)]
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> ForwardResult:
+        """Run one packed forward over the scheduled tokens; return logits of sampling rows."""
+        device = self.device
+        decodes = [s for s in sched.scheduled if not s.is_prefill]
+        prefills = [s for s in sched.scheduled if s.is_prefill]
+        order = decodes + prefills
+        index_of = {id(item): i for i, item in enumerate(sched.scheduled)}
+
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slot_mapping: list[int] = []
+        keep_rows: list[int] = []
+        sample_indices: list[int] = []
+
+        # Decode rows: context = every computed token plus the new one.
+        ctx_lens: list[int] = []
+        for item in decodes:
+            seq = item.seq
+            pos = seq.num_computed_tokens
+            input_ids.append(seq.tokens(pos, pos + 1)[0])
+            positions.append(pos)
+            slot_mapping.extend(self._slots(seq.block_table, pos, pos + 1))
+            ctx_lens.append(pos + 1)
+        for _ in range(sched.padding_rows):
+            input_ids.append(0)
+            positions.append(0)
+            slot_mapping.append(self.scratch_slot)
+            ctx_lens.append(1)
+        n_dec_rows = len(ctx_lens)
+        keep_rows.extend(range(len(decodes)))
+        sample_indices.extend(index_of[id(item)] for item in decodes)
+
+        decode_slots = decode_mask = None
+        if n_dec_rows:
+            decode_slots, decode_mask = self._decode_context(decodes, ctx_lens)
+
+        spans: list[PrefillSpan] = []
+        for item in prefills:
+            seq, n = item.seq, item.num_tokens
+            start = seq.num_computed_tokens
+            row = len(input_ids)
+            input_ids.extend(seq.tokens(start, start + n))
+            positions.extend(range(start, start + n))
+            slot_mapping.extend(self._slots(seq.block_table, start, start + n))
+            ctx = None
+            if start > 0:
+                ctx = torch.tensor(self._slots(seq.block_table, 0, start + n), dtype=torch.long, device=device)
+            spans.append(PrefillSpan(row, n, ctx))
+            if start + n == seq.num_tokens:  # context caught up: this row's logits give a token
+                keep_rows.append(row + n - 1)
+                sample_indices.append(index_of[id(item)])
+
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device),
+            num_decode_rows=n_dec_rows,
+            decode_slots=decode_slots,
+            decode_mask=decode_mask,
+            prefills=spans,
+            kv_caches=self.kv_caches,
+        )
+        ids = torch.tensor([input_ids], dtype=torch.long, device=device)
+        pos = torch.tensor([positions], dtype=torch.long, device=device)
+        keep = torch.tensor(keep_rows, dtype=torch.long, device=device)
+        out = self.model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=keep, paged_meta=meta)
+        logits = out.logits[0].float()
+        return ForwardResult(logits, sample_indices)
+
+    def _decode_context(self, decodes, ctx_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slot indices [D, Lmax] of each decode row's context and the matching validity mask."""
+        bs = self.block_size
+        max_len = max(ctx_lens)
+        max_blocks = -(-max_len // bs)
+        scratch_block = self.num_blocks
+        tables = [item.seq.block_table[:max_blocks] for item in decodes]
+        tables += [[scratch_block]] * (len(ctx_lens) - len(decodes))
+        padded = [t + [scratch_block] * (max_blocks - len(t)) for t in tables]
+        table = torch.tensor(padded, dtype=torch.long, device=self.device)  # [D, max_blocks]
+        offsets = torch.arange(max_len, device=self.device)
+        slots = table[:, offsets // bs] * bs + offsets % bs  # [D, Lmax]
+        lens = torch.tensor(ctx_lens, device=self.device)
+        mask = (offsets.unsqueeze(0) < lens.unsqueeze(1))[:, None, None, :]
+        return slots, mask

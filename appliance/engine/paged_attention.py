@@ -1,0 +1,95 @@
+"""Paged attention plugged into transformers through its attention interface.
+
+transformers' attention modules project and rotate q/k/v for the packed tokens of one iteration
+(batch dimension 1, no padding) and call the registered function. This function writes the new
+keys and values into the engine's block-paged cache (slot mapping) and attends each token to its
+own sequence's cached context:
+
+- decode rows (one new token each) in one batched SDPA call over their gathered contexts;
+- prefill chunks one sequence at a time, causal within the chunk and over the cached prefix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+ATTN_IMPLEMENTATION = "appliance_paged"
+
+
+@dataclass
+class PrefillSpan:
+    start: int  # first row of this chunk in the packed batch
+    length: int  # tokens in this chunk
+    context_slots: torch.Tensor | None  # cache slots of the whole context (prefix + chunk); None if no prefix
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything the attention function needs for one iteration (built once, used by all layers)."""
+
+    slot_mapping: torch.Tensor  # [T] cache slot of each packed token
+    num_decode_rows: int  # decode rows come first in the packed batch
+    decode_slots: torch.Tensor | None  # [D, Lmax] cache slots of each decode row's context
+    decode_mask: torch.Tensor | None  # [D, 1, 1, Lmax] True where a slot holds real context
+    prefills: list[PrefillSpan]
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: K, V as [slots, kv_heads, dim]
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    paged_meta: AttentionMetadata | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """query [1, H, T, D], key/value [1, KVH, T, D] -> ([1, T, H, D], None)."""
+    meta = paged_meta
+    if meta is None:  # called outside the engine (e.g. plain `generate`): behave like sdpa
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    k_cache, v_cache = meta.kv_caches[module.layer_idx]
+    q = query[0]  # [H, T, D]
+    k_new = key[0].transpose(0, 1)  # [T, KVH, D]
+    v_new = value[0].transpose(0, 1)
+    k_cache.index_copy_(0, meta.slot_mapping, k_new)
+    v_cache.index_copy_(0, meta.slot_mapping, v_new)
+
+    num_heads, total, head_dim = q.shape
+    kv_heads = k_new.shape[1]
+    out = q.new_empty(total, num_heads, head_dim)
+    n_dec = meta.num_decode_rows
+    if n_dec:
+        # Group the query heads that share a KV head as extra "query rows": no KV repeat needed.
+        q_dec = q[:, :n_dec].transpose(0, 1).reshape(n_dec, kv_heads, num_heads // kv_heads, head_dim)
+        k_dec = k_cache[meta.decode_slots].transpose(1, 2)  # [D, KVH, L, dim]
+        v_dec = v_cache[meta.decode_slots].transpose(1, 2)
+        o = F.scaled_dot_product_attention(q_dec, k_dec, v_dec, attn_mask=meta.decode_mask, scale=scaling)
+        out[:n_dec] = o.reshape(n_dec, num_heads, head_dim)
+    for span in meta.prefills:
+        rows = slice(span.start, span.start + span.length)
+        q_p = q[:, rows].unsqueeze(0)  # [1, H, q, D]
+        if span.context_slots is None:
+            k_p = key[:, :, rows]
+            v_p = value[:, :, rows]
+            o = F.scaled_dot_product_attention(q_p, k_p, v_p, is_causal=True, scale=scaling, enable_gqa=True)
+        else:
+            ctx = span.context_slots.numel()
+            k_p = k_cache[span.context_slots].transpose(0, 1).unsqueeze(0)  # [1, KVH, L, D]
+            v_p = v_cache[span.context_slots].transpose(0, 1).unsqueeze(0)
+            first = ctx - span.length
+            q_pos = torch.arange(first, ctx, device=q.device).unsqueeze(1)
+            mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= q_pos  # [q, L]
+            o = F.scaled_dot_product_attention(q_p, k_p, v_p, attn_mask=mask, scale=scaling, enable_gqa=True)
+        out[rows] = o[0].transpose(0, 1)
+    return out.unsqueeze(0), None
+
+
+AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)

@@ -1,0 +1,200 @@
+"""Decides, each iteration, which sequences run and how many of their tokens are computed.
+
+One rule covers every case: a sequence's computed tokens catch up with its total tokens, at most
+`long_prefill_token_threshold` per iteration, all sequences together at most
+`max_num_batched_tokens`. Order: decodes of running sequences first, then unfinished prefills,
+then waiting requests FCFS (short prompts may overtake long ones when the long-prefill slots are
+taken). When blocks run out, the most recently arrived running sequence is preempted by
+recompute: its blocks are freed and it goes back to the head of the waiting queue.
+
+The `static` policy is the classic padded batch kept for A/B comparison: a batch is admitted only
+when none is running, and members that finish stay in it as padding rows until the last one ends.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from .block_manager import BlockManager
+from .knobs import Knobs
+from .sequence import Sequence, Status
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_tokens: int
+    is_prefill: bool
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    padding_rows: int = 0  # static policy: finished members still computed as padding
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, knobs: Knobs):
+        self.block_manager = block_manager
+        self.knobs = knobs
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order
+        self._static_finished_members = 0  # padding rows of the current static batch
+
+    # -- queue management ---------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a sequence out of the queues (finished or aborted) and free its blocks."""
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+            if self.knobs.scheduling_policy == "static" and self.running:
+                self._static_finished_members += 1
+        else:
+            try:
+                self.waiting.remove(seq)
+            except ValueError:
+                pass
+        self.block_manager.free(seq)
+        if not self.running:
+            self._static_finished_members = 0
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- the schedule ---------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        knobs = self.knobs
+        out = SchedulerOutput()
+        budget = knobs.max_num_batched_tokens
+        chunk = knobs.long_prefill_token_threshold
+        static = knobs.scheduling_policy == "static"
+        if static and not self.running:
+            self._form_static_batch()
+        decodes = [s for s in self.running if not _needs_prefill(s)]
+        prefills = [s for s in self.running if _needs_prefill(s)]
+
+        for seq in decodes:
+            if budget == 0:
+                break
+            if seq.status is not Status.RUNNING:  # preempted as a victim earlier in this loop
+                continue
+            if not self._allocate_or_preempt(seq, out):
+                continue
+            out.scheduled.append(ScheduledSeq(seq, 1, is_prefill=False))
+            budget -= 1
+
+        for seq in prefills:
+            if budget == 0:
+                break
+            if seq.status is not Status.RUNNING:
+                continue
+            n = self._fit(seq, min(seq.num_uncomputed, chunk, budget))
+            if n == 0:
+                continue
+            self.block_manager.allocate(seq, n)
+            out.scheduled.append(ScheduledSeq(seq, n, is_prefill=True))
+            budget -= n
+
+        if static:
+            out.padding_rows = self._static_finished_members
+        elif not out.preempted:
+            self._admit(out, budget, chunk)
+        now = time.time()
+        for item in out.scheduled:
+            if item.seq.first_scheduled is None:
+                item.seq.first_scheduled = now
+        return out
+
+    def _form_static_batch(self) -> None:
+        """Static policy: take up to max_num_seqs waiting requests whose prompts fit in the cache.
+
+        Their prompts are then prefilled (within the token budget) and they decode together;
+        nothing joins until every member is done.
+        """
+        bm = self.block_manager
+        free = bm.num_free_blocks
+        while self.waiting and len(self.running) < self.knobs.max_num_seqs:
+            need = -(-self.waiting[0].num_tokens // bm.block_size)
+            if need > free:
+                break
+            free -= need
+            seq = self.waiting.popleft()
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+
+    def _admit(self, out: SchedulerOutput, budget: int, chunk: int) -> None:
+        """Continuous policy: admit waiting requests FCFS into the leftover budget."""
+        knobs = self.knobs
+        partial = sum(1 for s in self.running if _needs_prefill(s))
+        long_partial = sum(1 for s in self.running if _needs_prefill(s) and s.num_uncomputed > chunk)
+        skipped: list[Sequence] = []
+        while self.waiting and budget > 0 and len(self.running) < knobs.max_num_seqs:
+            if partial >= knobs.max_num_partial_prefills:
+                break
+            seq = self.waiting.popleft()
+            is_long = seq.num_uncomputed > chunk
+            if is_long and long_partial >= knobs.max_long_partial_prefills:
+                skipped.append(seq)  # let shorter prompts behind it go first
+                continue
+            n = self._fit(seq, min(seq.num_uncomputed, chunk, budget))
+            if n == 0:
+                self.waiting.appendleft(seq)
+                break  # out of KV blocks: admit nothing more this iteration
+            self.block_manager.allocate(seq, n)
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSeq(seq, n, is_prefill=True))
+            budget -= n
+            if seq.num_uncomputed - n > 0:
+                partial += 1
+                long_partial += int(is_long)
+        self.waiting.extendleft(reversed(skipped))
+
+    def _fit(self, seq: Sequence, wanted: int) -> int:
+        """How many of `wanted` tokens fit in the blocks `seq` has plus the free ones."""
+        bm = self.block_manager
+        capacity = (len(seq.block_table) + bm.num_free_blocks) * bm.block_size - seq.num_computed_tokens
+        return max(0, min(wanted, capacity))
+
+    def _allocate_or_preempt(self, seq: Sequence, out: SchedulerOutput) -> bool:
+        """Get a block for `seq`'s next token, preempting the newest running sequences if needed.
+
+        Returns False when `seq` itself had to be preempted.
+        """
+        while not self.block_manager.allocate(seq, 1):
+            victim = max(self.running, key=lambda s: s.arrival_order)
+            self._preempt(victim, out)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        for i, item in enumerate(out.scheduled):
+            if item.seq is seq:
+                del out.scheduled[i]
+                break
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = Status.WAITING
+        seq.num_computed_tokens = 0
+        seq.preemptions += 1
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq)
+
+
+def _needs_prefill(seq: Sequence) -> bool:
+    """Prompt (or recomputed context) not fully computed yet: more than the one new token."""
+    return seq.num_uncomputed > 1 or seq.num_output_tokens == 0
