@@ -55,6 +55,17 @@ class Progress:
 ProgressCallback = Callable[[Progress], None]
 
 
+@dataclass(frozen=True)
+class RunStart:
+    """What is known when the first request is about to be sent."""
+
+    model: str
+    appliance_server: bool
+    knobs: dict[str, Any] | None
+    replica_id: str | None  # the appliance replica that serves the run
+    started_at: float  # wall clock
+
+
 @dataclass
 class LoadResult:
     """Everything one run of the generator observed."""
@@ -67,6 +78,7 @@ class LoadResult:
     stopped: str | None  # None (all requests ended), "cancelled" or "duration"
     appliance_server: bool
     knobs: dict[str, Any] | None = None  # GET /admin/knobs at the start (appliance only)
+    replica_id: str | None = None  # GET /admin/state at the start (appliance only)
     knob_changes: list[dict[str, Any]] = field(default_factory=list)  # applied during the run
 
 
@@ -138,7 +150,7 @@ def _error_message(response: httpx.Response) -> str:
 
 
 class LoadGenerator:
-    """Sends a workload to a server and times every request. Use once per run."""
+    """Sends a workload to a server and times every request. One generator, one run."""
 
     def __init__(
         self,
@@ -206,14 +218,28 @@ class LoadGenerator:
         elif not loop.is_closed():
             loop.call_soon_threadsafe(stop.set)
 
-    @property
-    def cancelled(self) -> bool:
-        return self._cancel_requested
-
     # --------------------------------------------------------------------------------------- run
 
-    async def run(self, run_id: str | None = None) -> LoadResult:
-        """Send the workload; return every request's result and the run summary."""
+    @property
+    def arrival(self) -> dict[str, Any]:
+        """The arrival settings, as stored with a run."""
+        if self.concurrency is not None:
+            mode = {"mode": "concurrency", "concurrency": self.concurrency}
+        elif self.rate is not None:
+            mode = {"mode": "poisson", "rate": self.rate, "seed": self.seed}
+        elif any(r.arrival_offset is not None for r in self.requests):
+            mode = {"mode": "workload"}
+        else:
+            mode = {"mode": "all-at-once"}
+        return {**mode, "max_duration_s": self.max_duration_s}
+
+    async def run(
+        self, run_id: str | None = None, on_start: Callable[[RunStart], None] | None = None
+    ) -> LoadResult:
+        """Send the workload; return every request's result and the run summary.
+
+        `on_start` is called once the server is known, just before the first request is sent.
+        """
         with self._lock:
             self._loop = asyncio.get_running_loop()
             self._stop = asyncio.Event()
@@ -229,17 +255,20 @@ class LoadGenerator:
             model = self.model or await self._fetch_model(client)
             knobs = await fetch_knobs(client) if self.appliance_server is not False else None
             ours = knobs is not None if self.appliance_server is None else self.appliance_server
+            replica_id = await fetch_replica_id(client) if ours else None
             started_at = time.time()
+            if on_start is not None:
+                on_start(RunStart(model, ours, knobs, replica_id, started_at))
             self._t0 = time.perf_counter()
             self._report()
-            stopped = await self._run_until_stopped(client, model, run_id if ours else None, ours)
+            stopped = await self._run_until_stopped(client, model, run_id, ours)
             duration = time.perf_counter() - self._t0
             finished_at = time.time()
             changes = await self._knob_changes(client, started_at, finished_at) if ours else []
         results = sorted(self._results, key=lambda r: r.index)
         summary = summarize(results, max(duration, 1e-9), len(self.requests), self.slo)
         return LoadResult(results, summary, model, started_at, finished_at, stopped, ours,
-                          knobs, changes)
+                          knobs, replica_id, changes)
 
     async def _run_until_stopped(
         self, client: httpx.AsyncClient, model: str, run_id: str | None, ours: bool
@@ -259,7 +288,8 @@ class LoadGenerator:
             await asyncio.gather(dispatch, stop_wait, return_exceptions=True)
         if dispatch in done:
             dispatch.result()  # re-raise a failure inside the run (e.g. a progress callback's)
-            return None
+            if len(self._results) == len(self.requests):
+                return None
         return "cancelled" if self._stop.is_set() else "duration"
 
     async def _dispatch(
@@ -272,6 +302,8 @@ class LoadGenerator:
 
                 async def worker() -> None:
                     for index, request in queue:
+                        if self._stopping():
+                            return
                         await self._send(client, index, request, model, run_id, ours)
 
                 workers = min(self.concurrency, len(self.requests))
@@ -282,6 +314,8 @@ class LoadGenerator:
                     delay = offset - (time.perf_counter() - self._t0)
                     if delay > 0:
                         await asyncio.sleep(delay)
+                    if self._stopping():
+                        break
                     tasks.append(asyncio.create_task(
                         self._send(client, index, request, model, run_id, ours)))
             await asyncio.gather(*tasks)
@@ -392,6 +426,9 @@ class LoadGenerator:
         except BenchError:
             return []
 
+    def _stopping(self) -> bool:
+        return self._stop is not None and self._stop.is_set()
+
     def _report(self) -> None:
         if self.progress is None:
             return
@@ -471,6 +508,16 @@ async def fetch_knobs(client: httpx.AsyncClient) -> dict[str, Any] | None:
     except ValueError:
         return None
     return payload if isinstance(payload, dict) and "knobs" in payload else None
+
+
+async def fetch_replica_id(client: httpx.AsyncClient) -> str | None:
+    """The appliance's replica id from GET /admin/state (None when it does not say)."""
+    response = await _get(client, "/admin/state")
+    try:
+        replica = response.json().get("replica_id") if response.status_code == 200 else None
+    except (ValueError, AttributeError):
+        return None
+    return replica if isinstance(replica, str) else None
 
 
 async def fetch_knob_history(

@@ -140,21 +140,9 @@ class LLMEngine:
         arrival: float | None = None,
     ) -> None:
         """Queue a request; raise InvalidRequestError (nothing queued) when it cannot be served."""
-        params.validate(self.vocab_size)
+        self.validate_request(prompt_ids, params)
         if request_id in self._seqs:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
-        if not prompt_ids:
-            raise InvalidRequestError("the prompt is empty", "prompt")
-        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size for t in prompt_ids):
-            raise InvalidRequestError(f"prompt token ids must be integers in [0, {self.vocab_size})", "prompt")
-        total = len(prompt_ids) + params.max_tokens
-        if total > self.max_model_len:
-            raise InvalidRequestError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you "
-                f"requested {total} tokens ({len(prompt_ids)} in the prompt, {params.max_tokens} "
-                "for the completion). Please reduce the prompt or max_tokens.",
-                "max_tokens" if len(prompt_ids) < self.max_model_len else "prompt",
-            )
         seq = Sequence(
             request_id=request_id,
             prompt_token_ids=list(prompt_ids),
@@ -168,6 +156,22 @@ class LLMEngine:
         )
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
+
+    def validate_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise InvalidRequestError naming the problem; pure, safe from any thread."""
+        params.validate(self.vocab_size)
+        if not isinstance(prompt_ids, list) or not prompt_ids:
+            raise InvalidRequestError("the prompt is empty", "prompt")
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size for t in prompt_ids):
+            raise InvalidRequestError(f"prompt token ids must be integers in [0, {self.vocab_size})", "prompt")
+        total = len(prompt_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                f"requested {total} tokens ({len(prompt_ids)} in the prompt, {params.max_tokens} "
+                "for the completion). Please reduce the prompt or max_tokens.",
+                "max_tokens" if len(prompt_ids) < self.max_model_len else "prompt",
+            )
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its blocks; its final output comes with the next step."""

@@ -41,7 +41,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        # like vLLM: a temperature this small is greedy (dividing by it would overflow to inf/NaN)
+        return self.temperature < 1e-5
 
     def validate(self, vocab_size: int | None = None) -> "SamplingParams":
         """Raise InvalidRequestError naming the first bad field; return self when valid."""
@@ -85,6 +86,7 @@ def make_generator(seed: int | None, device: torch.device) -> torch.Generator | 
     return generator
 
 
+@torch.inference_mode()
 def sample(
     logits: torch.Tensor,
     params: list[SamplingParams],
@@ -112,6 +114,7 @@ def sample(
         if p.top_p < 1.0:
             sorted_probs, order = torch.sort(probs, descending=True)
             keep = torch.cumsum(sorted_probs, dim=-1) - sorted_probs < p.top_p
+            keep[0] = True  # the most likely token always stays (a tiny top_p rounds to 0 in fp32)
             sorted_probs = sorted_probs * keep
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
         chosen[row] = int(torch.multinomial(probs, 1, generator=generators[row]).item())

@@ -1,0 +1,77 @@
+"""Operator routes: live knobs, their history, and the engine's state."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+
+from starlette.requests import Request
+
+from ..engine import KnobError
+from .errors import APIError, JSONResponse
+from .protocol import parse_json, read_body
+from .state import AppState
+
+SOURCE_HEADER = "x-appliance-source"
+_SOURCE_RE = re.compile(r"[a-z][a-z0-9_-]{0,31}")
+KNOB_UPDATE_TIMEOUT_S = 30.0
+
+
+def _state(request: Request) -> AppState:
+    return request.app.state.appliance
+
+
+async def knobs(request: Request) -> JSONResponse:
+    """GET: the knobs in force; PATCH: change some (one route, so 405 lists both methods)."""
+    if request.method == "PATCH":
+        return await patch_knobs(request)
+    return JSONResponse(_state(request).knobs_view())
+
+
+def _knob_error(errors: dict[str, str]) -> APIError:
+    message = "invalid knobs: " + "; ".join(f"{k}: {v}" for k, v in errors.items())
+    return APIError(422, message, param=next(iter(errors), None), code="invalid_knobs", extra={"errors": errors})
+
+
+async def patch_knobs(request: Request) -> JSONResponse:
+    """Validate the whole change, apply it at the next iteration boundary and answer once it
+    took effect (with the new version and the iteration it took effect at). The change is
+    recorded with source "admin", or the X-Appliance-Source header's value (e.g. "dashboard")."""
+    state = _state(request)
+    source = request.headers.get(SOURCE_HEADER, "admin").strip().lower()
+    if not _SOURCE_RE.fullmatch(source):
+        raise APIError(400, "X-Appliance-Source must be 1-32 characters of [a-z0-9_-], starting with a letter",
+                       param="X-Appliance-Source")
+    body = parse_json(await read_body(request, state.config.max_body_bytes))
+    if not isinstance(body, dict):
+        raise _knob_error({"body": "must be a JSON object mapping knob names to values"})
+    current = state.engine.knobs
+    try:
+        new = current.with_changes(body)
+    except KnobError as exc:
+        raise _knob_error(exc.errors) from None
+    if new == current:  # nothing to change: no new version
+        return JSONResponse(state.knobs_view())
+    if not state.aeng.is_running:
+        raise APIError(503, "the engine is not running", code="engine_unavailable")
+    update = asyncio.ensure_future(state.aeng.update_knobs(body, source=source))
+    try:
+        # shield: a cancelled handler must not cancel the future the engine thread will resolve
+        change = await asyncio.wait_for(asyncio.shield(update), KNOB_UPDATE_TIMEOUT_S)
+    except KnobError as exc:  # knobs changed concurrently and the set no longer validates
+        raise _knob_error(exc.errors) from None
+    except asyncio.TimeoutError:
+        raise APIError(503, "the engine did not apply the change in time", code="engine_unavailable") from None
+    view = state.knobs_view()
+    view.update(version=change.version, iteration=change.iteration, source=change.source,
+                changed={"old": change.old, "new": change.new})
+    return JSONResponse(view)
+
+
+async def knob_history(request: Request) -> JSONResponse:
+    history = list(_state(request).engine.knob_history)
+    return JSONResponse({"data": [change.as_dict() for change in history]})
+
+
+async def engine_state(request: Request) -> JSONResponse:
+    return JSONResponse(_state(request).state_view())

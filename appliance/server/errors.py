@@ -1,0 +1,72 @@
+"""OpenAI-shaped error bodies and a JSON response that can never fail to render.
+
+Every error the server answers has the body {"error": {"message", "type", "param", "code"}}
+(422 knob errors add "errors": {field: message}).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Mapping
+
+from starlette.responses import Response
+
+# Default error type per status, as OpenAI names them.
+_TYPES = {
+    400: "invalid_request_error",
+    401: "invalid_request_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "server_error",
+}
+
+
+class JSONResponse(Response):
+    """JSON with ASCII escapes (any str renders, lone surrogates included) and no NaN."""
+
+    media_type = "application/json"
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, allow_nan=False, separators=(",", ":")).encode("ascii")
+
+
+class APIError(Exception):
+    """An error answered to the client; raise it anywhere in a handler."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str | None = None,
+        param: str | None = None,
+        code: str | None = None,
+        headers: Mapping[str, str] | None = None,
+        extra: Mapping[str, Any] | None = None,
+    ):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type or _TYPES.get(status, "invalid_request_error")
+        self.param = param
+        self.code = code
+        self.headers = dict(headers or {})
+        self.extra = dict(extra or {})
+
+    def body(self) -> dict[str, Any]:
+        return {"error": error_object(self.message, self.type, self.param, self.code), **self.extra}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def error_object(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    return {"message": message, "type": type, "param": param, "code": code}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)

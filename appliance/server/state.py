@@ -1,0 +1,162 @@
+"""What the routes share: the engine, settings, metrics, readiness and in-flight accounting."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol, TypeVar
+
+from ..engine import AsyncEngine, LLMEngine
+from .errors import APIError
+from .metrics import ServerMetrics
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_BODY_BYTES = 1 << 20
+INLINE_TOKENIZE_CHARS = 8192  # longer prompts are tokenised off the event loop
+T = TypeVar("T")
+
+
+class TelemetrySink(Protocol):
+    """What the server needs of appliance.telemetry.writer.TelemetryWriter."""
+
+    rows_dropped: int
+
+    def start(self) -> Any: ...
+    def close(self, timeout: float = 5.0) -> bool: ...
+
+
+@dataclass
+class ServerConfig:
+    served_model_name: str | None = None  # default: the engine's model name
+    api_key: str | None = None
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    replica_id: str = "default"
+    db_url: str | None = None  # the telemetry store (the dashboard reads it)
+    self_url: str | None = None  # this server's own base URL; set: the dashboard is mounted at /ui
+
+
+class AppState:
+    """Owns the AsyncEngine's lifecycle (and the telemetry writer's, when given one)."""
+
+    def __init__(self, aeng: AsyncEngine, config: ServerConfig, telemetry: TelemetrySink | None = None):
+        self.aeng = aeng
+        self.engine: LLMEngine = aeng.engine
+        self.config = config
+        self.telemetry = telemetry
+        self.model_name = config.served_model_name or self.engine.model_name
+        self.status = "loading"  # -> "ok" -> "draining" -> "stopped"
+        self.inflight = 0  # generation requests with a response still being written
+        self.metrics = ServerMetrics(self._metrics_snapshot)
+        self.engine.add_sink(self.metrics)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
+        self._key = config.api_key.encode() if config.api_key else None
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def start(self) -> None:
+        if self.telemetry is not None:
+            self.telemetry.start()
+        self.aeng.start()
+        self.status = "ok"
+
+    async def drain(self, grace_s: float) -> int:
+        """Refuse new requests, give in-flight ones `grace_s` to finish, abort the rest (their
+        responses end with finish_reason "abort"), wait for responses to be written.
+        Returns how many requests were aborted."""
+        if self.status == "ok":
+            self.status = "draining"
+        log.info("draining: %d request(s) in flight, %.1fs grace", self.aeng.num_unfinished, grace_s)
+        aborted = await self.aeng.drain(grace_s)
+        deadline = time.monotonic() + 5.0
+        while self.inflight and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        log.info("drained (%d request(s) aborted)", aborted)
+        return aborted
+
+    def close(self) -> None:
+        self.status = "stopped"
+        self.aeng.shutdown()
+        if self.telemetry is not None:
+            self.telemetry.close()
+        self._pool.shutdown(wait=False)
+
+    @property
+    def ready(self) -> bool:
+        return self.status == "ok" and self.aeng.is_running
+
+    # -- checks -------------------------------------------------------------------------------
+    def authorized(self, header: str | None) -> bool:
+        if self._key is None:
+            return True
+        scheme, _, token = (header or "").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self._key)
+
+    def check_admitting(self) -> None:
+        if self.status == "draining" or not self.aeng.admitting:
+            raise APIError(503, "the server is shutting down and accepts no new requests", code="draining",
+                           headers={"Retry-After": "1"})
+        if not self.ready:
+            raise APIError(503, "the engine is not running", code="engine_unavailable")
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"The model `{model}` does not exist. This server serves `{self.model_name}`.",
+                           param="model", code="model_not_found")
+
+    async def run_tokenizer(self, fn: Callable[[], T], size: int) -> T:
+        """Tokenise inline when short, else on a worker thread (never stalls the event loop)."""
+        if size <= INLINE_TOKENIZE_CHARS:
+            return fn()
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn)
+
+    # -- views --------------------------------------------------------------------------------
+    def telemetry_rows_dropped(self) -> int:
+        return int(self.telemetry.rows_dropped) if self.telemetry is not None else 0
+
+    def fixed(self) -> dict[str, Any]:
+        cfg = self.engine.config
+        bm = self.engine.block_manager
+        return {
+            "block_size": cfg.block_size,
+            "num_blocks": bm.num_blocks,
+            "kv_cache_tokens": bm.num_blocks * cfg.block_size,
+            "max_model_len": self.engine.max_model_len,
+            "model": self.model_name,
+            "device": str(self.engine.device),
+            "dtype": str(self.engine.loaded.dtype).removeprefix("torch."),
+        }
+
+    def knobs_view(self) -> dict[str, Any]:
+        engine = self.engine
+        knobs, version, iteration = engine.knobs, engine.knob_version, engine.knob_iteration
+        return {"knobs": knobs.as_dict(), "version": version, "iteration": iteration, "fixed": self.fixed()}
+
+    def state_view(self) -> dict[str, Any]:
+        snap = self.aeng.snapshot()
+        return {
+            "status": self.status,
+            "running": snap["running"],
+            "waiting": snap["waiting"],
+            "kv_blocks_used": snap["kv_blocks_used"],
+            "kv_blocks_free": snap["kv_blocks_free"],
+            "kv_blocks_total": snap["kv_blocks_total"],
+            "iteration": snap["iteration"],
+            "knob_version": snap["knob_version"],
+            "uptime_s": round(time.time() - self.aeng.started_at, 3),
+            "model": self.model_name,
+            "device": str(self.engine.device),
+            "replica_id": self.config.replica_id,
+            "telemetry_rows_dropped": self.telemetry_rows_dropped(),
+            "in_flight": self.inflight,
+        }
+
+    def _metrics_snapshot(self) -> dict[str, Any]:
+        snap = self.aeng.snapshot()
+        snap["knobs"] = self.engine.knobs.as_dict()
+        snap["knob_version"] = self.engine.knob_version
+        snap["telemetry_rows_dropped"] = self.telemetry_rows_dropped()
+        return snap

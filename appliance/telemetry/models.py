@@ -1,0 +1,204 @@
+"""SQLAlchemy models of the telemetry store. The schema itself is owned by the Alembic
+migrations in the top-level `migrations/` folder; these models must match their head
+(tests/test_telemetry_migrations.py checks it).
+
+Times are wall-clock seconds since the epoch (float), as the engine records them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    Column,
+    Double,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    Table,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+# Numeric iteration columns that can be charted (and that the 1 s rollup aggregates).
+SERIES_COLUMNS: tuple[str, ...] = (
+    "duration_s",
+    "running",
+    "waiting",
+    "prefill_seqs",
+    "prefill_tokens",
+    "decode_seqs",
+    "decode_tokens",
+    "scheduled_tokens",
+    "padding_tokens",
+    "token_budget",
+    "max_num_seqs",
+    "kv_blocks_used",
+    "kv_blocks_free",
+    "kv_blocks_total",
+    "preemptions",
+    "finished",
+    "knob_version",
+)
+ROLLUP_STATS: tuple[str, ...] = ("min", "max", "sum")
+RUN_STATUSES: tuple[str, ...] = ("running", "completed", "cancelled", "failed", "interrupted")
+
+# BIGINT on PostgreSQL, INTEGER (the rowid alias) on SQLite so autoincrement works there.
+BigId = BigInteger().with_variant(Integer(), "sqlite")
+
+
+class Base(DeclarativeBase):
+    type_annotation_map = {dict[str, Any]: JSON, list[float]: JSON}
+
+
+class Iteration(Base):
+    """One engine iteration (IterationStats + replica_id)."""
+
+    __tablename__ = "iterations"
+    __table_args__ = (
+        Index("ix_iterations_replica_started", "replica_id", "started_at"),
+        Index("ix_iterations_started", "started_at"),
+    )
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    replica_id: Mapped[str] = mapped_column(String(64))
+    iteration: Mapped[int] = mapped_column(BigInteger)
+    started_at: Mapped[float] = mapped_column(Double)
+    duration_s: Mapped[float] = mapped_column(Double)
+    running: Mapped[int] = mapped_column(Integer)
+    waiting: Mapped[int] = mapped_column(Integer)
+    prefill_seqs: Mapped[int] = mapped_column(Integer)
+    prefill_tokens: Mapped[int] = mapped_column(Integer)
+    decode_seqs: Mapped[int] = mapped_column(Integer)
+    decode_tokens: Mapped[int] = mapped_column(Integer)
+    scheduled_tokens: Mapped[int] = mapped_column(Integer)
+    padding_tokens: Mapped[int] = mapped_column(Integer)
+    token_budget: Mapped[int] = mapped_column(Integer)
+    max_num_seqs: Mapped[int] = mapped_column(Integer)
+    kv_blocks_used: Mapped[int] = mapped_column(Integer)
+    kv_blocks_free: Mapped[int] = mapped_column(Integer)
+    kv_blocks_total: Mapped[int] = mapped_column(Integer)
+    preemptions: Mapped[int] = mapped_column(Integer)
+    finished: Mapped[int] = mapped_column(Integer)
+    knob_version: Mapped[int] = mapped_column(Integer)
+    policy: Mapped[str] = mapped_column(String(32))
+
+
+# Per-replica, per-second aggregates of the iteration rows (n, and min/max/sum of every
+# SERIES_COLUMNS column), rebuilt by the writer in the same transaction as the rows. Long
+# windows are downsampled from here, so a one-hour chart reads 3,600 rows, not millions.
+iteration_rollups = Table(
+    "iteration_rollups",
+    Base.metadata,
+    Column("replica_id", String(64), primary_key=True),
+    Column("second", BigInteger, primary_key=True, autoincrement=False),
+    Column("n", Integer, nullable=False),
+    *[Column(f"{name}_{stat}", Double, nullable=False) for name in SERIES_COLUMNS for stat in ROLLUP_STATS],
+    Index("ix_iteration_rollups_second", "second"),
+)
+
+
+class Request(Base):
+    """One finished request as the server saw it (RequestStats + replica_id)."""
+
+    __tablename__ = "requests"
+    __table_args__ = (
+        Index("ix_requests_replica_finished", "replica_id", "finished"),
+        Index("ix_requests_finished", "finished"),
+        Index("ix_requests_run", "run_id"),
+        Index("ix_requests_request_id", "request_id"),
+    )
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    request_id: Mapped[str] = mapped_column(String(128))
+    replica_id: Mapped[str] = mapped_column(String(64))
+    run_id: Mapped[str | None] = mapped_column(String(36))
+    source: Mapped[str] = mapped_column(String(16))
+    arrival: Mapped[float] = mapped_column(Double)
+    first_scheduled: Mapped[float | None] = mapped_column(Double)
+    first_token: Mapped[float | None] = mapped_column(Double)
+    finished: Mapped[float] = mapped_column(Double)
+    prompt_tokens: Mapped[int] = mapped_column(Integer)
+    output_tokens: Mapped[int] = mapped_column(Integer)
+    finish_reason: Mapped[str] = mapped_column(String(16))
+    preemptions: Mapped[int] = mapped_column(Integer)
+
+
+class KnobChangeRow(Base):
+    """One applied knob change."""
+
+    __tablename__ = "knob_changes"
+    __table_args__ = (Index("ix_knob_changes_replica_applied", "replica_id", "applied_at"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    replica_id: Mapped[str] = mapped_column(String(64))
+    version: Mapped[int] = mapped_column(Integer)
+    iteration: Mapped[int] = mapped_column(BigInteger)  # first iteration with the new values
+    applied_at: Mapped[float] = mapped_column(Double)
+    old: Mapped[dict[str, Any]]
+    new: Mapped[dict[str, Any]]
+    source: Mapped[str] = mapped_column(String(32))
+
+
+class Run(Base):
+    """One load test or tuning sweep."""
+
+    __tablename__ = "runs"
+    __table_args__ = (
+        Index("ix_runs_replica_started", "replica_id", "started_at"),
+        Index("ix_runs_status", "status"),
+    )
+
+    id: Mapped[str] = mapped_column(String(36), primary_key=True)  # uuid4 string
+    replica_id: Mapped[str] = mapped_column(String(64))
+    name: Mapped[str] = mapped_column(String(200))
+    workload: Mapped[str] = mapped_column(String(200))
+    arrival: Mapped[dict[str, Any]]
+    knobs: Mapped[dict[str, Any]]
+    started_at: Mapped[float] = mapped_column(Double)
+    ended_at: Mapped[float | None] = mapped_column(Double)
+    status: Mapped[str] = mapped_column(String(16))  # one of RUN_STATUSES
+    summary: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+
+
+class RunRequest(Base):
+    """Client-side result of one request of a run."""
+
+    __tablename__ = "run_requests"
+    __table_args__ = (UniqueConstraint("run_id", "index", name="uq_run_requests_run_index"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(
+        String(36), ForeignKey("runs.id", ondelete="CASCADE", name="fk_run_requests_run_id_runs")
+    )
+    index: Mapped[int] = mapped_column(Integer)
+    request_id: Mapped[str | None] = mapped_column(String(128))  # as the server named it
+    ok: Mapped[bool] = mapped_column(Boolean)
+    error_kind: Mapped[str | None] = mapped_column(String(64))
+    prompt_tokens: Mapped[int | None] = mapped_column(Integer)
+    output_tokens: Mapped[int | None] = mapped_column(Integer)
+    requested_output_tokens: Mapped[int | None] = mapped_column(Integer)
+    ttft_s: Mapped[float | None] = mapped_column(Double)
+    e2e_s: Mapped[float | None] = mapped_column(Double)
+    tpot_s: Mapped[float | None] = mapped_column(Double)
+    itl_s: Mapped[list[float] | None] = mapped_column(JSON)
+    itl_mean_s: Mapped[float | None] = mapped_column(Double)
+    itl_p50_s: Mapped[float | None] = mapped_column(Double)
+    itl_p99_s: Mapped[float | None] = mapped_column(Double)
+    start_offset_s: Mapped[float | None] = mapped_column(Double)  # send time from run start
+
+
+class TelemetryDrop(Base):
+    """Rows the writer had to drop (buffer overflow or a store it could not write)."""
+
+    __tablename__ = "telemetry_drops"
+    __table_args__ = (Index("ix_telemetry_drops_replica_at", "replica_id", "at"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    replica_id: Mapped[str] = mapped_column(String(64))
+    at: Mapped[float] = mapped_column(Double)
+    count: Mapped[int] = mapped_column(Integer)

@@ -1,0 +1,375 @@
+"""Read-side queries of the telemetry store, for the dashboard, reports and the CLI.
+
+Every function takes a SQLAlchemy Engine (or a URL; an engine made for a URL is disposed
+after the call), works on SQLite and PostgreSQL, and returns plain data. Times are epoch
+seconds. `replica_id=None` means all replicas together.
+
+Downsampling is done in SQL (GROUP BY over an integer bucket expression). Windows longer
+than RAW_MAX_SPAN_S, or with buckets of a second or more, are served from the per-second
+rollup table: the window is then widened to whole seconds and buckets are whole seconds, so
+each bucket's min/mean/max are exact for the rows in it. Shorter windows read raw rows.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import Double, bindparam, func, select
+from sqlalchemy.engine import Connection, Engine
+
+from appliance.telemetry.models import (
+    SERIES_COLUMNS,
+    Iteration,
+    KnobChangeRow,
+    Request,
+    Run,
+    TelemetryDrop,
+    iteration_rollups,
+)
+from appliance.telemetry.rollup import floor_int
+from appliance.telemetry.store import using_engine
+
+RAW_MAX_SPAN_S = 120.0
+DEFAULT_WINDOW_S = 3600.0
+LATENCY_METRICS = ("ttft", "e2e", "itl", "queue")
+
+
+@dataclass(frozen=True)
+class SeriesPoint:
+    t: float  # bucket start
+    count: int  # iteration rows in the bucket
+    min: float
+    mean: float
+    max: float
+    sum: float
+
+
+@dataclass(frozen=True)
+class Series:
+    column: str
+    since: float  # window actually covered (widened to whole seconds for "rollup")
+    until: float
+    bucket_s: float
+    resolution: str  # "raw" or "rollup"
+    points: list[SeriesPoint]  # buckets without rows are left out
+
+
+@dataclass(frozen=True)
+class LatencyPoint:
+    t: float  # bucket start (requests bucketed by their finish time)
+    count: int
+    mean: float
+    quantiles: dict[str, float]  # e.g. {"p50": ..., "p90": ..., "p99": ...}
+
+
+def iteration_series(
+    target: Engine | str,
+    column: str,
+    since: float | None = None,
+    until: float | None = None,
+    *,
+    replica_id: str | None = None,
+    run_id: str | None = None,
+    points: int = 500,
+    resolution: str = "auto",
+) -> Series:
+    """min/mean/max/sum per bucket of iteration `column` over [since, until), at most
+    `points` buckets. With `run_id` the window defaults to the run's and the replica to the
+    run's replica. `resolution` is "auto", "raw" or "rollup"."""
+    if column not in SERIES_COLUMNS:
+        raise ValueError(f"unknown iteration column {column!r}; choose from {', '.join(SERIES_COLUMNS)}")
+    if not isinstance(points, int) or points < 1:
+        raise ValueError(f"points must be a positive integer, got {points!r}")
+    if resolution not in ("auto", "raw", "rollup"):
+        raise ValueError(f"resolution must be 'auto', 'raw' or 'rollup', got {resolution!r}")
+    with using_engine(target) as engine, engine.connect() as conn:
+        since, until, replica_id = _window(conn, since, until, replica_id, run_id)
+        span = until - since
+        if resolution == "auto":
+            resolution = "raw" if span <= RAW_MAX_SPAN_S and span / points < 1.0 else "rollup"
+        if resolution == "raw":
+            return _raw_series(conn, column, since, until, replica_id, points)
+        return _rollup_series(conn, column, since, until, replica_id, points)
+
+
+def _raw_series(
+    conn: Connection, column: str, since: float, until: float, replica_id: str | None, points: int
+) -> Series:
+    it = Iteration.__table__
+    width = (until - since) / points
+    value = it.c[column]
+    offset = (it.c.started_at - bindparam("since", since, Double)) / bindparam("width", width, Double)
+    bucket = floor_int(offset, conn.dialect.name).label("b")
+    query = (
+        select(bucket, func.count(), func.min(value), func.max(value), func.sum(value))
+        .where(it.c.started_at >= since, it.c.started_at < until)
+        .group_by(bucket)
+        .order_by(bucket)
+    )
+    if replica_id is not None:
+        query = query.where(it.c.replica_id == replica_id)
+    merged: dict[int, list[float]] = {}
+    for b, n, lo, hi, total in conn.execute(query):
+        b = min(int(b), points - 1)  # a value just below `until` may round into bucket `points`
+        if b in merged:
+            acc = merged[b]
+            merged[b] = [acc[0] + n, min(acc[1], lo), max(acc[2], hi), acc[3] + total]
+        else:
+            merged[b] = [n, lo, hi, total]
+    return Series(column, since, until, width, "raw", _points(merged, since, width))
+
+
+def _rollup_series(
+    conn: Connection, column: str, since: float, until: float, replica_id: str | None, points: int
+) -> Series:
+    ru = iteration_rollups
+    origin, end = math.floor(since), math.ceil(until)
+    end = max(end, origin + 1)
+    width = max(1, math.ceil((end - origin) / points))
+    offset = (ru.c.second - origin) / bindparam("width", float(width), Double)
+    bucket = floor_int(offset, conn.dialect.name).label("b")
+    query = (
+        select(
+            bucket,
+            func.sum(ru.c.n),
+            func.min(ru.c[f"{column}_min"]),
+            func.max(ru.c[f"{column}_max"]),
+            func.sum(ru.c[f"{column}_sum"]),
+        )
+        .where(ru.c.second >= origin, ru.c.second < end)
+        .group_by(bucket)
+        .order_by(bucket)
+    )
+    if replica_id is not None:
+        query = query.where(ru.c.replica_id == replica_id)
+    merged = {int(b): [n, lo, hi, total] for b, n, lo, hi, total in conn.execute(query)}
+    return Series(column, float(origin), float(end), float(width), "rollup", _points(merged, origin, width))
+
+
+def _points(merged: dict[int, list[float]], origin: float, width: float) -> list[SeriesPoint]:
+    return [
+        SeriesPoint(
+            t=origin + b * width,
+            count=int(n),
+            min=float(lo),
+            mean=float(total) / n,
+            max=float(hi),
+            sum=float(total),
+        )
+        for b, (n, lo, hi, total) in sorted(merged.items())
+    ]
+
+
+def latest(target: Engine | str, replica_id: str | None = None) -> dict[str, Any]:
+    """The newest iteration row (or None) and row counts, for the dashboard's header."""
+    it, req, kc = Iteration.__table__, Request.__table__, KnobChangeRow.__table__
+    runs, drops = Run.__table__, TelemetryDrop.__table__
+
+    def scoped(query: Any, table: Any) -> Any:
+        return query if replica_id is None else query.where(table.c.replica_id == replica_id)
+
+    with using_engine(target) as engine, engine.connect() as conn:
+        row = conn.execute(scoped(select(it), it).order_by(it.c.started_at.desc()).limit(1)).first()
+        counts = {
+            name: conn.execute(scoped(select(func.count()).select_from(table), table)).scalar_one()
+            for name, table in (("iterations", it), ("requests", req), ("knob_changes", kc), ("runs", runs))
+        }
+        counts["runs_running"] = conn.execute(
+            scoped(select(func.count()).select_from(runs), runs).where(runs.c.status == "running")
+        ).scalar_one()
+        counts["rows_dropped"] = int(
+            conn.execute(scoped(select(func.coalesce(func.sum(drops.c.count), 0)), drops)).scalar_one()
+        )
+    return {"iteration": dict(row._mapping) if row else None, **counts}
+
+
+def run_summary(target: Engine | str, run_id: str) -> dict[str, Any]:
+    """Server-side figures of a run from its requests rows: counts by finish reason, token
+    totals, throughput over the run's span, and TTFT / ITL / E2E / queue statistics.
+
+    TTFT = first_token - arrival; ITL = (finished - first_token) / (output_tokens - 1) for
+    requests with more than one output token; E2E = finished - arrival for requests that
+    ended with stop or length; queue = first_scheduled - arrival.
+    """
+    req = Request.__table__
+    with using_engine(target) as engine, engine.connect() as conn:
+        rows = conn.execute(
+            select(
+                req.c.arrival,
+                req.c.first_scheduled,
+                req.c.first_token,
+                req.c.finished,
+                req.c.prompt_tokens,
+                req.c.output_tokens,
+                req.c.finish_reason,
+            ).where(req.c.run_id == run_id)
+        ).all()
+    reasons: dict[str, int] = defaultdict(int)
+    ttft, itl, e2e, queue = [], [], [], []
+    for arrival, scheduled, first, finished, _prompt, out, reason in rows:
+        reasons[reason] += 1
+        if first is not None:
+            ttft.append(first - arrival)
+            if out > 1:
+                itl.append((finished - first) / (out - 1))
+        if scheduled is not None:
+            queue.append(scheduled - arrival)
+        if reason in ("stop", "length"):
+            e2e.append(finished - arrival)
+    span = (max(r.finished for r in rows) - min(r.arrival for r in rows)) if rows else 0.0
+    output_tokens = sum(r.output_tokens for r in rows)
+    return {
+        "run_id": run_id,
+        "requests": len(rows),
+        "finish_reasons": dict(reasons),
+        "prompt_tokens": sum(r.prompt_tokens for r in rows),
+        "output_tokens": output_tokens,
+        "duration_s": span,
+        "output_tokens_per_s": output_tokens / span if span > 0 else None,
+        "requests_per_s": len(rows) / span if span > 0 else None,
+        "ttft_s": _stats(ttft),
+        "itl_s": _stats(itl),
+        "e2e_s": _stats(e2e),
+        "queue_s": _stats(queue),
+    }
+
+
+def knob_timeline(
+    target: Engine | str,
+    since: float | None = None,
+    until: float | None = None,
+    *,
+    replica_id: str | None = None,
+) -> list[dict[str, Any]]:
+    """Applied knob changes, oldest first."""
+    kc = KnobChangeRow.__table__
+    query = select(
+        kc.c.replica_id, kc.c.version, kc.c.iteration, kc.c.applied_at, kc.c.old, kc.c.new, kc.c.source
+    ).order_by(kc.c.applied_at, kc.c.id)
+    if since is not None:
+        query = query.where(kc.c.applied_at >= since)
+    if until is not None:
+        query = query.where(kc.c.applied_at < until)
+    if replica_id is not None:
+        query = query.where(kc.c.replica_id == replica_id)
+    with using_engine(target) as engine, engine.connect() as conn:
+        return [dict(row._mapping) for row in conn.execute(query)]
+
+
+def latency_series(
+    target: Engine | str,
+    metric: str = "ttft",
+    since: float | None = None,
+    until: float | None = None,
+    *,
+    replica_id: str | None = None,
+    run_id: str | None = None,
+    points: int = 60,
+    quantiles: Sequence[float] = (0.5, 0.9, 0.99),
+) -> list[LatencyPoint]:
+    """Request latency percentiles per time bucket (requests bucketed by finish time).
+    `metric` is one of LATENCY_METRICS (see run_summary for definitions). With `run_id`
+    only that run's requests count and the window defaults to the run's."""
+    if metric not in LATENCY_METRICS:
+        raise ValueError(f"unknown latency metric {metric!r}; choose from {', '.join(LATENCY_METRICS)}")
+    if not isinstance(points, int) or points < 1:
+        raise ValueError(f"points must be a positive integer, got {points!r}")
+    bad = [q for q in quantiles if not 0 <= q <= 1]
+    if bad:
+        raise ValueError(f"quantiles must lie in [0, 1], got {bad}")
+    req = Request.__table__
+    value = {
+        "ttft": req.c.first_token - req.c.arrival,
+        "e2e": req.c.finished - req.c.arrival,
+        "itl": (req.c.finished - req.c.first_token) / (req.c.output_tokens - 1),
+        "queue": req.c.first_scheduled - req.c.arrival,
+    }[metric].label("v")
+    with using_engine(target) as engine, engine.connect() as conn:
+        since, until, replica_id = _window(conn, since, until, replica_id, run_id)
+        width = (until - since) / points
+        offset = (req.c.finished - bindparam("since", since, Double)) / bindparam("width", width, Double)
+        bucket = floor_int(offset, conn.dialect.name).label("b")
+        query = (
+            select(bucket, value)
+            .where(req.c.finished >= since, req.c.finished < until, value.element.is_not(None))
+            .order_by(bucket, value.element)
+        )
+        if metric == "itl":
+            query = query.where(req.c.output_tokens > 1)
+        if metric == "e2e":
+            query = query.where(req.c.finish_reason.in_(("stop", "length")))
+        if replica_id is not None:
+            query = query.where(req.c.replica_id == replica_id)
+        if run_id is not None:
+            query = query.where(req.c.run_id == run_id)
+        buckets: dict[int, list[float]] = defaultdict(list)
+        for b, v in conn.execute(query):
+            buckets[min(int(b), points - 1)].append(float(v))
+    result = []
+    for b, values in sorted(buckets.items()):
+        values.sort()
+        result.append(
+            LatencyPoint(
+                t=since + b * width,
+                count=len(values),
+                mean=sum(values) / len(values),
+                quantiles={_quantile_name(q): _quantile(values, q) for q in quantiles},
+            )
+        )
+    return result
+
+
+def _window(
+    conn: Connection,
+    since: float | None,
+    until: float | None,
+    replica_id: str | None,
+    run_id: str | None,
+) -> tuple[float, float, str | None]:
+    """Resolve the defaults of a query window (the run's window and replica with run_id)."""
+    if run_id is not None:
+        runs = Run.__table__
+        run = conn.execute(
+            select(runs.c.replica_id, runs.c.started_at, runs.c.ended_at).where(runs.c.id == run_id)
+        ).first()
+        if run is None:
+            raise LookupError(f"no run {run_id!r}")
+        replica_id = replica_id if replica_id is not None else run.replica_id
+        since = since if since is not None else run.started_at
+        if until is None:
+            until = run.ended_at if run.ended_at is not None else time.time()
+    until = float(until) if until is not None else time.time()
+    since = float(since) if since is not None else until - DEFAULT_WINDOW_S
+    if not until > since:
+        raise ValueError(f"until ({until}) must be after since ({since})")
+    return since, until, replica_id
+
+
+def _quantile(sorted_values: Sequence[float], q: float) -> float:
+    """Linear-interpolated quantile (numpy's default) of already sorted values."""
+    pos = (len(sorted_values) - 1) * q
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(sorted_values) - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
+
+
+def _quantile_name(q: float) -> str:
+    return f"p{q * 100:g}"
+
+
+def _stats(values: list[float]) -> dict[str, float] | None:
+    if not values:
+        return None
+    values = sorted(values)
+    return {
+        "mean": sum(values) / len(values),
+        "p50": _quantile(values, 0.5),
+        "p90": _quantile(values, 0.9),
+        "p99": _quantile(values, 0.99),
+        "max": values[-1],
+    }

@@ -1,0 +1,94 @@
+"""Greedy output of the engine equals transformers' own greedy `generate` (invariant 6)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from appliance.engine import SamplingParams
+
+PROMPTS = [
+    "The capital of France is",
+    "Write a haiku about the sea.",
+    "1, 2, 3, 4, 5,",
+    "def fibonacci(n):\n    ",
+    "Once upon a time, in a land far away, there lived a wise old owl who knew every secret of the "
+    "forest. One evening, a young fox came to ask the owl a question about the stars and the moon, and",
+    "Translate to French: I would like a cup of coffee, please.",
+    "Les mathématiques sont",
+    "Q: What is the boiling point of water at sea level?\nA:",
+    "import numpy as np\nx = np.arange(10)\nprint(",
+    "The three primary colors are",
+]
+MAX_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def reference(loaded_model):
+    """transformers' greedy generate, one prompt at a time (no padding), fp32."""
+    tok, model = loaded_model.tokenizer, loaded_model.model
+    refs = []
+    with torch.inference_mode():
+        for prompt in PROMPTS:
+            ids = tok.encode(prompt, add_special_tokens=False)
+            out = model.generate(
+                torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, do_sample=False,
+            )
+            refs.append(out[0, len(ids):].tolist())
+    return refs
+
+
+def _engine_tokens(engine):
+    # min_tokens bans EOS exactly as transformers' min_new_tokens does, so lengths match.
+    params = SamplingParams(max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS, temperature=0)
+    outs = engine.generate(PROMPTS, params)
+    assert engine.block_manager.num_used_blocks == 0
+    return [o.token_ids for o in outs]
+
+
+def test_parity_all_at_once(make_engine, reference):
+    engine = make_engine(max_num_seqs=16, max_num_batched_tokens=1024, long_prefill_token_threshold=1024)
+    assert _engine_tokens(engine) == reference
+
+
+def test_parity_multi_chunk_prefill(make_engine, reference):
+    engine = make_engine(max_num_seqs=16, max_num_batched_tokens=64, long_prefill_token_threshold=16,
+                         max_num_partial_prefills=3, max_long_partial_prefills=2)
+    stats = []
+    engine.add_sink(_Collect(stats))
+    assert _engine_tokens(engine) == reference
+    lengths = [len(engine.encode_prompt(p)) for p in PROMPTS]
+    assert max(s.scheduled_tokens for s in stats) <= 64
+    assert sum(s.prefill_tokens for s in stats) == sum(lengths)
+    # the longest prompt needs several 16-token chunks, one per iteration
+    assert sum(1 for s in stats if s.prefill_tokens) >= -(-max(lengths) // 16) > 1
+
+
+def test_parity_under_preemption(make_engine, reference):
+    # 10 sequences need ~95 blocks of 4 tokens at their longest; 48 forces preemption.
+    engine = make_engine(num_blocks=48, block_size=4, max_num_seqs=16, max_num_batched_tokens=256,
+                         long_prefill_token_threshold=256, max_num_partial_prefills=4)
+    stats = []
+    engine.add_sink(_Collect(stats))
+    assert _engine_tokens(engine) == reference
+    assert sum(s.preemptions for s in stats) > 0
+
+
+def test_static_policy_same_answers(make_engine, reference):
+    engine = make_engine(max_num_seqs=4, max_num_batched_tokens=256, scheduling_policy="static")
+    assert _engine_tokens(engine) == reference
+
+
+class _Collect:
+    def __init__(self, into):
+        self.into = into
+
+    def on_iteration(self, stats):
+        self.into.append(stats)
+
+    def on_request(self, stats):
+        pass
+
+    def on_knob_change(self, change):
+        pass

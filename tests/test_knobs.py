@@ -1,0 +1,79 @@
+"""Knob validation (pure) and live changes on a real engine."""
+
+from __future__ import annotations
+
+import pytest
+
+from appliance.engine import KnobError, Knobs, SamplingParams
+
+
+def test_defaults_valid_and_names():
+    k = Knobs()
+    assert set(k.as_dict()) == set(Knobs.names())
+
+
+@pytest.mark.parametrize(
+    "changes, bad",
+    [
+        ({"max_num_seqs": 0}, {"max_num_seqs"}),
+        ({"max_num_seqs": True}, {"max_num_seqs"}),
+        ({"max_num_seqs": 2.5}, {"max_num_seqs"}),
+        ({"max_num_batched_tokens": 8, "max_num_seqs": 16}, {"max_num_batched_tokens"}),
+        ({"long_prefill_token_threshold": 4096}, {"long_prefill_token_threshold"}),
+        ({"max_long_partial_prefills": 5, "max_num_partial_prefills": 2}, {"max_long_partial_prefills"}),
+        ({"scheduling_policy": "fifo"}, {"scheduling_policy"}),
+        ({"bogus": 1}, {"bogus"}),
+        ({"max_num_seqs": -1, "scheduling_policy": None, "bogus": 1}, {"max_num_seqs", "scheduling_policy", "bogus"}),
+    ],
+)
+def test_invalid_sets_name_every_bad_field(changes, bad):
+    base = Knobs(max_num_seqs=8, max_num_batched_tokens=512, long_prefill_token_threshold=256)
+    with pytest.raises(KnobError) as err:
+        base.with_changes(changes)
+    assert set(err.value.errors) == bad
+    assert base == Knobs(max_num_seqs=8, max_num_batched_tokens=512, long_prefill_token_threshold=256)
+
+
+def test_valid_change_returns_new_set():
+    base = Knobs()
+    new = base.with_changes({"max_num_seqs": 4, "long_prefill_token_threshold": 32})
+    assert (new.max_num_seqs, new.long_prefill_token_threshold) == (4, 32)
+    assert base.max_num_seqs == 64
+
+
+def test_engine_applies_at_boundary_and_never_aborts(make_engine):
+    engine = make_engine(max_num_seqs=8, max_num_batched_tokens=128, long_prefill_token_threshold=64)
+    seen = []
+
+    class Sink:
+        def on_iteration(self, s):
+            seen.append(s)
+
+        def on_request(self, s):
+            pass
+
+        def on_knob_change(self, c):
+            pass
+
+    engine.add_sink(Sink())
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    for i in range(6):
+        engine.add_request(f"r{i}", engine.encode_prompt(f"Count to ten: {i},"), params)
+    engine.step()
+    engine.step()
+    assert engine.num_running == 6
+    change = engine.update_knobs({"max_num_seqs": 2}, source="test")
+    assert change.iteration == engine.iteration == 2 and change.version == 1
+    assert change.old == {"max_num_seqs": 8} and change.new == {"max_num_seqs": 2}
+    with pytest.raises(KnobError):
+        engine.update_knobs({"max_num_seqs": 3, "max_num_batched_tokens": 0})
+    assert engine.knobs.max_num_seqs == 2 and engine.knob_version == 1  # rejected whole
+    finals = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+    assert all(o.finish_reason == "length" and o.output_tokens == 12 for o in finals.values())
+    assert len(finals) == 6
+    assert [s.knob_version for s in seen[:2]] == [0, 0] and all(s.knob_version == 1 for s in seen[2:])
+    assert all(s.max_num_seqs == 2 for s in seen[2:])

@@ -1,0 +1,125 @@
+"""`appliance serve` as a real process: flag validation, host refusal, API key, telemetry store
+upgrade at start, and the SIGTERM drain."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from appliance.cli import main
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--port", "70000"], "70000"),
+    (["--port", "0"], "--port"),
+    (["--drain-grace-s", "-1"], "-1.0"),
+    (["--drain-grace-s", "nan"], "nan"),
+    (["--max-waiting", "0"], "--max-waiting"),
+    (["--max-body-bytes", "lots"], "lots"),
+    (["--replica-id", "r" * 65], "--replica-id"),
+    (["--telemetry-retention", "sometimes"], "sometimes"),
+    (["--max-num-seqs", "0"], "max_num_seqs"),
+    (["--num-blocks", "0"], "num_blocks"),
+    (["--config", "no-such-preset"], "no-such-preset"),
+])
+def test_bad_settings_exit_2_naming_the_value(capsys, tmp_path, argv, words):
+    assert main(["serve", "--db", f"sqlite:///{tmp_path}/t.db", *argv]) == 2
+    err = capsys.readouterr().err
+    assert "appliance serve: error:" in err and words in err
+
+
+def test_public_host_without_key_is_refused(spawn_server):
+    server = spawn_server("--host", "0.0.0.0", "--no-telemetry", ready=False)
+    assert server.proc.wait(60) == 2
+    log = server.log()
+    assert "0.0.0.0" in log and "--api-key" in log and "--insecure" in log
+    assert "KV cache" not in log  # refused before the model was loaded
+
+
+def test_api_key_guards_v1_and_admin(spawn_server, tmp_path):
+    from appliance.telemetry import runs, store
+
+    db_url = f"sqlite:///{tmp_path}/telemetry.db"
+    store.upgrade(db_url)
+    stale = runs.create_run(db_url, "left over", "w", {"mode": "concurrency"}, {}, "replica-a")
+    other = runs.create_run(db_url, "another replica's", "w", {"mode": "concurrency"}, {}, "replica-b")
+    key = "s3cret-key-for-tests"
+    server = spawn_server("--api-key", key, "--num-blocks", "256", "--db", db_url, "--replica-id", "replica-a",
+                          "--no-dashboard")
+    url = server.base_url
+    for path in ("/v1/models", "/admin/knobs", "/admin/state", "/admin/knobs/history"):
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": key}):
+            response = httpx.get(url + path, headers=headers)
+            assert response.status_code == 401, (path, headers)
+            assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+            assert response.json()["error"]["code"] == "invalid_api_key"
+        assert httpx.get(url + path, headers={"Authorization": f"Bearer {key}"}).status_code == 200
+    assert httpx.patch(url + "/admin/knobs", json={"max_num_seqs": 4}).status_code == 401
+    assert httpx.get(url + "/health").status_code == 200
+    assert httpx.get(url + "/metrics").status_code == 200
+
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{url}/v1", api_key="nope", max_retries=0).models.list()
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0)
+    reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+    assert reply.usage.completion_tokens <= 3
+
+    assert runs.get_run(db_url, stale)["status"] == "interrupted"
+    assert runs.get_run(db_url, other)["status"] == "running"
+    server.terminate()
+    assert server.proc.wait(60) == 0
+    assert key not in server.log()
+
+
+def test_sigterm_drains_then_exits_0(spawn_server, tmp_path):
+    server = spawn_server("--num-blocks", "256", "--drain-grace-s", "4", "--db", f"sqlite:///{tmp_path}/t.db",
+                          "--no-dashboard")
+    url = server.base_url
+    results: dict[str, list[dict]] = {}
+
+    def stream(name: str, max_tokens: int, started: threading.Event) -> None:
+        body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": max_tokens, "ignore_eos": True,
+                "stream": True}
+        events = results.setdefault(name, [])
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
+            events.append({"status": response.status_code})
+            for line in response.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    events.append(json.loads(line[6:]))
+                    started.set()
+                elif line == "data: [DONE]":
+                    events.append({"done": True})
+
+    threads = []
+    for name, max_tokens in (("short", 12), ("long", 4000)):
+        started = threading.Event()
+        thread = threading.Thread(target=stream, args=(name, max_tokens, started))
+        thread.start()
+        assert started.wait(60), results
+        threads.append(thread)
+
+    server.terminate()
+    deadline = time.monotonic() + 3
+    health = refused = None
+    while time.monotonic() < deadline and (health is None or refused is None):
+        health = httpx.get(f"{url}/health", timeout=5)
+        refused = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 1}, timeout=5)
+    assert health.status_code == 503 and health.json() == {"status": "draining"}
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "draining"
+
+    for thread in threads:
+        thread.join(60)
+    assert server.proc.wait(60) == 0
+    for name, reason in (("short", "length"), ("long", "abort")):
+        events = results[name]
+        assert events[-1] == {"done": True}, name
+        assert events[-2]["choices"][0]["finish_reason"] == reason, name
+    log = server.log()
+    assert "drained (1 request(s) aborted)" in log

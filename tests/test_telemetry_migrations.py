@@ -1,0 +1,123 @@
+"""Alembic migrations of the telemetry store, on real SQLite files."""
+
+from __future__ import annotations
+
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
+from sqlalchemy import inspect
+
+from appliance.telemetry import store
+from appliance.telemetry.models import Base
+
+TABLES = {
+    "iterations",
+    "iteration_rollups",
+    "requests",
+    "knob_changes",
+    "runs",
+    "run_requests",
+    "telemetry_drops",
+}
+
+
+@pytest.fixture()
+def url(tmp_path: Path) -> str:
+    return f"sqlite:///{tmp_path / 'appliance.db'}"
+
+
+def _tables_and_indexes(url: str) -> tuple[set[str], set[str]]:
+    engine = store.make_engine(url)
+    try:
+        insp = inspect(engine)
+        tables = set(insp.get_table_names()) - {"alembic_version"}
+        indexes = {ix["name"] for t in tables for ix in insp.get_indexes(t)}
+        return tables, indexes
+    finally:
+        engine.dispose()
+
+
+def test_revisions_are_linear_with_a_head() -> None:
+    assert store.revisions() == ["0002", "0001"]
+    assert store.head() == "0002"
+    assert store.MIGRATIONS_DIR.name == "migrations" and (store.MIGRATIONS_DIR / "env.py").exists()
+
+
+def test_upgrade_from_empty_creates_every_table(url: str) -> None:
+    assert store.current(url) is None
+    store.upgrade(url)
+    assert store.current(url) == store.head()
+    tables, indexes = _tables_and_indexes(url)
+    assert tables == TABLES
+    assert {"ix_iterations_replica_started", "ix_requests_run", "ix_runs_status"} <= indexes
+    store.upgrade(url)  # idempotent
+    assert store.current(url) == store.head()
+
+
+def test_downgrade_one_step_and_upgrade_again_keeps_data(url: str, tmp_path: Path) -> None:
+    store.upgrade(url)
+    with sqlite3.connect(tmp_path / "appliance.db") as raw:
+        raw.execute(
+            "INSERT INTO runs (id, replica_id, name, workload, arrival, knobs, started_at, status)"
+            " VALUES ('r1', 'a', 'n', 'w', '{}', '{}', 1.0, 'running')"
+        )
+    store.downgrade(url, "-1")
+    assert store.current(url) == "0001"
+    tables, indexes = _tables_and_indexes(url)
+    assert tables == TABLES and not {i for i in indexes if i.startswith("ix_")}
+    store.upgrade(url)
+    assert store.current(url) == store.head()
+    with sqlite3.connect(tmp_path / "appliance.db") as raw:
+        assert raw.execute("SELECT id FROM runs").fetchall() == [("r1",)]
+    store.downgrade(url, "base")
+    assert store.current(url) is None
+    assert _tables_and_indexes(url)[0] == set()
+
+
+def test_models_match_head(url: str) -> None:
+    store.upgrade(url)
+    engine = store.make_engine(url)
+    try:
+        with engine.connect() as conn:
+            ctx = MigrationContext.configure(conn, opts={"compare_type": True})
+            assert compare_metadata(ctx, Base.metadata) == []
+    finally:
+        engine.dispose()
+
+
+def test_sqlite_engine_settings(url: str) -> None:
+    engine = store.make_engine(url, busy_timeout_ms=1234, sqlite_pragmas={"max_page_count": 777})
+    try:
+        with engine.connect() as conn:
+            pragma = lambda name: conn.exec_driver_sql(f"PRAGMA {name}").scalar()  # noqa: E731
+            assert pragma("journal_mode") == "wal"
+            assert pragma("synchronous") == 1  # NORMAL
+            assert pragma("busy_timeout") == 1234
+            assert pragma("max_page_count") == 777
+            assert pragma("foreign_keys") == 1
+    finally:
+        engine.dispose()
+    with pytest.raises(ValueError, match="invalid SQLite pragma"):
+        store.make_engine(url, sqlite_pragmas={"max_page_count; DROP TABLE runs": 1})
+
+
+def test_default_url_is_a_file_in_the_working_folder() -> None:
+    assert store.DEFAULT_URL == "sqlite:///appliance.db"
+
+
+def test_concurrent_upgrades_of_one_file_all_succeed(url: str) -> None:
+    # Appliance processes starting together: the migration transaction takes the write lock
+    # at BEGIN, so the others wait and then find the store already at head.
+    code = "import sys; from appliance.telemetry import store; store.upgrade(sys.argv[1])"
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code, url], stderr=subprocess.PIPE, text=True)
+        for _ in range(4)
+    ]
+    errors = [p.communicate(timeout=120)[1] for p in procs if p.wait(timeout=120) != 0]
+    assert errors == []
+    assert store.current(url) == store.head()

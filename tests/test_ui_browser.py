@@ -1,0 +1,195 @@
+"""End to end in real headless Chromium (Debian's /usr/bin/chromium via Playwright) against the
+real server with the dashboard at /ui. Screenshots go to test-artifacts/ (gitignored); the Live
+tab's is also copied to docs/dashboard.png for the README."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.browser
+
+ROOT = Path(__file__).resolve().parents[1]
+ARTIFACTS = ROOT / "test-artifacts"
+CHROMIUM = Path("/usr/bin/chromium")
+ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+        "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+CHARTS = ("chart-running", "chart-waiting", "chart-kv", "chart-tokens", "chart-step-time",
+          "chart-throughput", "chart-ttft", "chart-itl")
+
+
+@pytest.fixture(scope="module")
+def server(dashboard_server):
+    yield dashboard_server
+    httpx.patch(f"{dashboard_server.base_url}/admin/knobs",
+                json={"max_num_seqs": 64, "max_num_batched_tokens": 512, "long_prefill_token_threshold": 256})
+
+
+@pytest.fixture(scope="module")
+def page(server):
+    if not CHROMIUM.exists():
+        pytest.skip("Debian chromium is not installed at /usr/bin/chromium")
+    from playwright.sync_api import sync_playwright
+
+    ARTIFACTS.mkdir(exist_ok=True)
+    outside: list[str] = []
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=ARGS)
+        context = browser.new_context(viewport={"width": 1600, "height": 1100}, accept_downloads=True)
+        page = context.new_page()
+        page.on("request", lambda r: outside.append(r.url) if not r.url.startswith(
+            (server.base_url, "data:", "blob:")) else None)
+        page.goto(server.ui_url)
+        page.wait_for_selector("#chart-running .main-svg", timeout=60_000)
+        yield page
+        browser.close()
+    assert outside == []  # the page never reached beyond the server
+
+
+def knobs(server) -> dict:
+    return httpx.get(f"{server.base_url}/admin/knobs").json()
+
+
+def open_tab(page, name: str) -> None:
+    page.get_by_role("tab", name=name).click()
+
+
+def test_live_charts_render_and_update(server, page):
+    httpx.post(f"{server.base_url}/v1/completions", timeout=60,
+               json={"prompt": "Hi", "max_tokens": 16, "min_tokens": 16, "ignore_eos": True})
+    for chart in CHARTS:
+        page.wait_for_selector(f"#{chart} .main-svg", timeout=30_000)
+    title = page.locator("#chart-running .main-svg .gtitle").first.text_content()
+    assert title.startswith("Running vs max_num_seqs")
+    uptime = page.locator("#live-headline [data-stat='uptime'] .value")
+    model = page.locator("#live-headline [data-stat='model'] .value").text_content()
+    assert model == httpx.get(f"{server.base_url}/admin/state").json()["model"]
+    first = uptime.text_content()
+    svg_before = page.locator("#chart-running .main-svg").first.inner_html()
+    page.wait_for_function(
+        "([sel, old]) => document.querySelector(sel)?.textContent !== old",
+        arg=["#live-headline [data-stat='uptime'] .value", first], timeout=10_000)
+    time.sleep(1.5)
+    assert page.locator("#chart-running .main-svg").first.inner_html() != svg_before  # redrawn
+    # the completion's tokens reach the throughput chart within a few refreshes
+    page.wait_for_function(
+        "() => [...document.querySelectorAll('#chart-throughput .main-svg .ytick text')]"
+        ".some(t => parseFloat(t.textContent) > 0)", timeout=15_000)
+    page.screenshot(path=str(ARTIFACTS / "ui-live.png"), full_page=True)
+
+
+def test_knob_change_with_the_number_box_and_apply(server, page):
+    before = knobs(server)
+    box = page.locator("#knob-max-num-seqs input[data-testid='number-input']")
+    box.fill("24")
+    box.press("Enter")
+    page.locator("#knob-apply").click()
+    page.wait_for_function("() => document.querySelector('#knob-status')?.textContent.includes('Applied')",
+                           timeout=15_000)
+    after = knobs(server)
+    assert after["knobs"]["max_num_seqs"] == 24 and after["version"] == before["version"] + 1
+    status = page.locator("#knob-status").text_content()
+    assert "max_num_seqs 64→24" in status and f"iteration {after['iteration']}" in status
+    # the Live charts mark the change
+    page.wait_for_function(
+        "() => document.querySelector('#chart-running')?.textContent.includes('max_num_seqs 64→24')",
+        timeout=15_000)
+    page.screenshot(path=str(ARTIFACTS / "ui-knob-applied.png"), full_page=True)
+
+
+def test_an_invalid_value_shows_the_error_and_applies_nothing(server, page):
+    before = knobs(server)
+    box = page.locator("#knob-long-prefill-token-threshold input[data-testid='number-input']")
+    box.fill("4096")
+    box.press("Enter")
+    page.locator("#knob-apply").click()
+    page.wait_for_function("() => document.querySelector('#knob-status')?.textContent.includes('Rejected')",
+                           timeout=15_000)
+    status = page.locator("#knob-status").text_content()
+    assert "nothing applied" in status and "must be <= max_num_batched_tokens" in status
+    assert knobs(server) == before
+    page.screenshot(path=str(ARTIFACTS / "ui-knob-rejected.png"), full_page=True)
+    box.fill(str(before["knobs"]["long_prefill_token_threshold"]))
+    box.press("Enter")
+
+
+def test_chat_streams_an_answer(server, page):
+    open_tab(page, "Chat")
+    page.locator("#chat-max-tokens input[data-testid='number-input']").fill("48")
+    page.locator("#chat-input textarea").fill("Tell me about the sea.")
+    page.locator("#chat-send").click()
+    bot = page.locator("#chat-history [data-testid='bot']").last
+    bot.wait_for(timeout=30_000)
+    stats = page.locator("#chat-stats")
+
+    def ended() -> bool:
+        text = stats.text_content() or ""
+        return "stop" in text or "length" in text  # the reply's row (finish reason) is listed
+
+    lengths = []
+    deadline = time.monotonic() + 60
+    while not ended() and time.monotonic() < deadline:
+        lengths.append(len(bot.text_content() or ""))
+        time.sleep(0.05)
+    assert ended()
+    final = bot.text_content()
+    assert final and len(final) > 5
+    assert any(0 < n < len(final) for n in lengths)  # part of the answer showed before it was complete
+    page.screenshot(path=str(ARTIFACTS / "ui-chat.png"), full_page=True)
+
+
+def test_stop_ends_a_streaming_reply_and_the_server_aborts_it(server, page):
+    open_tab(page, "Chat")
+    page.locator("#chat-clear").click()
+    page.locator("#chat-max-tokens input[data-testid='number-input']").fill("1500")
+    page.locator("#chat-input textarea").fill("Write a long story about a lighthouse keeper.")
+    page.locator("#chat-send").click()
+    bot = page.locator("#chat-history [data-testid='bot']").last
+    page.wait_for_function(
+        "() => (document.querySelector('#chat-history [data-testid=\"bot\"]')?.textContent || '').length > 20",
+        timeout=60_000)
+    page.locator("#chat-stop").click()
+    deadline = time.monotonic() + 15
+    while httpx.get(f"{server.base_url}/admin/state").json()["running"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert httpx.get(f"{server.base_url}/admin/state").json()["running"] == 0  # aborted, not finished
+    stopped = bot.text_content()
+    time.sleep(1.0)
+    assert bot.text_content() == stopped  # nothing more streams in
+
+
+def test_small_load_test_finishes_in_the_runs_table_and_exports_a_report(server, page):
+    open_tab(page, "Load test")
+    page.locator("#loadtest-requests input").fill("4")
+    page.locator("#loadtest-max-output input").fill("8")
+    page.locator("#loadtest-name textarea").fill("browser run")
+    page.locator("#loadtest-start").click()
+    page.wait_for_selector("#loadtest-state[data-state='finished']", timeout=120_000)
+    assert "completed" in page.locator("#loadtest-results").text_content()
+    page.screenshot(path=str(ARTIFACTS / "ui-loadtest.png"), full_page=True)
+
+    open_tab(page, "Runs")
+    page.wait_for_function("() => document.querySelector('#runs-table')?.textContent.includes('browser run')",
+                           timeout=15_000)
+    page.locator("#runs-select label", has_text="browser run").first.click()
+    page.locator("#report-format label", has_text="Markdown").click()
+    page.locator("#report-export").click()
+    link = page.locator("#report-file a").first
+    link.wait_for(timeout=30_000)
+    with page.expect_download() as download:
+        link.click()
+    path = ARTIFACTS / "tuning-report.md"
+    download.value.save_as(path)
+    assert "browser run" in path.read_text()
+    page.screenshot(path=str(ARTIFACTS / "ui-runs.png"), full_page=True)
+
+    open_tab(page, "Live")  # the README picture: the Live tab after some traffic
+    page.wait_for_selector("#chart-running .main-svg", timeout=30_000)
+    time.sleep(2)
+    page.screenshot(path=str(ARTIFACTS / "ui-live-after-load.png"), full_page=True)
+    (ROOT / "docs").mkdir(exist_ok=True)
+    shutil.copyfile(ARTIFACTS / "ui-live-after-load.png", ROOT / "docs" / "dashboard.png")

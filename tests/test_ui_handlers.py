@@ -1,0 +1,324 @@
+"""The dashboard's flows through gradio_client against the real server (dashboard at /ui):
+the same handlers the browser calls, checked against the server's API and telemetry store."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from gradio_client import Client
+
+from appliance.telemetry import runs
+from appliance.telemetry.models import Request
+from appliance.telemetry.store import make_engine
+from sqlalchemy import select
+
+from conftest import serve_dashboard
+from ui.chat_tab import STATS_HEADERS
+
+DEFAULT_FORM = (64, 512, 256, 1, 1, "continuous")  # Knobs() defaults, the order of the sliders
+NO_REPLIES = {"headers": STATS_HEADERS, "data": [], "metadata": None}  # the empty per-reply table
+
+
+@pytest.fixture(scope="module")
+def server(dashboard_server):
+    return dashboard_server
+
+
+@pytest.fixture
+def client(server):
+    return Client(server.ui_url, verbose=False)
+
+
+@pytest.fixture
+def restore_knobs(server):
+    """Put the server back on the default knobs after the test."""
+    yield
+    httpx.patch(f"{server.base_url}/admin/knobs", json=dict(zip(
+        ("max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold",
+         "max_num_partial_prefills", "max_long_partial_prefills", "scheduling_policy"), DEFAULT_FORM)))
+
+
+def knobs(server) -> dict:
+    return httpx.get(f"{server.base_url}/admin/knobs").json()
+
+
+def wait_for(predicate, timeout: float = 20.0, every: float = 0.1):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(every)
+    raise AssertionError("condition not met in time")
+
+
+# ------------------------------------------------------------------------------------- knobs
+
+
+def test_reload_shows_the_knobs_in_force_and_the_fixed_settings(server, client):
+    status, effective, fixed, *form = client.predict(api_name="/knobs_reload")
+    current = knobs(server)
+    values = [u["value"] if isinstance(u, dict) else u for u in form]
+    assert values == [current["knobs"][k] for k in ("max_num_seqs", "max_num_batched_tokens",
+                                                     "long_prefill_token_threshold", "max_num_partial_prefills",
+                                                     "max_long_partial_prefills", "scheduling_policy")]
+    assert f"version {current['version']}" in effective
+    for key in ("model", "device", "num_blocks", "block_size", "max_model_len"):
+        assert f"| {key} | {current['fixed'][key]} |" in fixed
+
+
+def test_apply_sends_one_patch_and_reports_where_it_took_effect(server, client, restore_knobs):
+    before = knobs(server)
+    form = (24, 512, 128, 1, 1, "continuous")
+    status, effective, *_ = client.predict(*form, api_name="/knobs_apply")
+    after = knobs(server)
+    assert after["knobs"]["max_num_seqs"] == 24 and after["knobs"]["long_prefill_token_threshold"] == 128
+    assert after["version"] == before["version"] + 1  # both changes in ONE patch
+    assert "Applied" in status and "max_num_seqs 64→24" in status and "long_prefill_token_threshold 256→128" in status
+    assert f"version {after['version']}" in status and f"iteration {after['iteration']}" in status
+    history = httpx.get(f"{server.base_url}/admin/knobs/history").json()["data"]
+    assert history[-1]["source"] == "dashboard" and history[-1]["version"] == after["version"]
+    # the same values again: nothing to send
+    status, *_ = client.predict(*form, api_name="/knobs_apply")
+    assert "nothing to apply" in status and knobs(server)["version"] == after["version"]
+
+
+def test_an_invalid_set_shows_the_servers_message_and_applies_nothing(server, client):
+    before = knobs(server)
+    status, effective, *_ = client.predict(64, 512, 1024, 1, 1, "continuous", api_name="/knobs_apply")
+    assert "Rejected — nothing applied" in status
+    assert "long_prefill_token_threshold (1024) must be <= max_num_batched_tokens (512)" in status
+    assert knobs(server) == before
+    assert f"version {before['version']}" in effective
+    status, *_ = client.predict(64, 512, 256, 1, 1, "static", api_name="/knobs_apply")  # valid again
+    assert "Applied" in status
+    client.predict(*DEFAULT_FORM, api_name="/knobs_apply")
+
+
+def test_presets_apply_the_knob_keys_of_the_config_files(server, client, restore_knobs):
+    import tomllib
+
+    configs = Path(__file__).resolve().parents[1] / "configs"
+    for name in ("latency", "throughput"):
+        status, *_ = client.predict(api_name=f"/knobs_preset_{name}")
+        with (configs / f"{name}.toml").open("rb") as fh:
+            preset = tomllib.load(fh)
+        current = knobs(server)["knobs"]
+        assert {k: current[k] for k in current if k in preset} == {k: preset[k] for k in current if k in preset}
+        assert f"preset {name}" in status and "Applied" in status
+
+
+# -------------------------------------------------------------------------------------- live
+
+
+def test_live_refresh_charts_the_telemetry_and_marks_knob_changes(server, client, restore_knobs):
+    httpx.post(f"{server.base_url}/v1/completions", timeout=60,
+               json={"prompt": "Hello there", "max_tokens": 8, "min_tokens": 8, "ignore_eos": True})
+    client.predict(32, 512, 256, 1, 1, "continuous", api_name="/knobs_apply")
+    time.sleep(0.5)  # the writer flushes every 0.1 s
+
+    def labels(plot: dict) -> list[str]:
+        return [a.get("text", "") for a in json.loads(plot["plot"])["layout"].get("annotations", [])]
+
+    def refreshed():
+        out = client.predict("1m", False, api_name="/live_refresh")
+        return out if any("max_num_seqs 64→32" in text for text in labels(out[1])) else None
+
+    headline, *plots, effective = wait_for(refreshed)
+    state = httpx.get(f"{server.base_url}/admin/state").json()
+    assert state["model"] in headline and 'data-stat="uptime"' in headline
+    assert len(plots) == 8
+    figures = [json.loads(p["plot"]) for p in plots]
+    for plot, figure in zip(plots, figures):
+        assert plot["type"] == "plotly"
+        assert any("max_num_seqs 64→32" in text for text in labels(plot))  # every chart marks it
+    assert figures[0]["layout"]["title"]["text"].startswith("Running vs max_num_seqs")
+    assert figures[6]["layout"]["title"]["text"].startswith("TTFT percentiles")
+    assert max(figures[5]["data"][0]["y"]) > 0  # output tokens/s of the completion above
+    assert "| max_num_seqs | 32 |" in effective
+
+
+# -------------------------------------------------------------------------------------- chat
+
+
+def test_chat_streams_multi_turn_with_reply_figures(server, client):
+    outputs = list(client.submit("Name a colour.", [], "You are terse.", 0.0, 12, NO_REPLIES, api_name="/chat"))
+    assert len(outputs) >= 3  # the user turn, then the reply growing as it streams
+    chat, box, error, table = outputs[-1]
+    assert error == "" and box == ""
+    assert [m["role"] for m in chat] == ["user", "assistant"]
+    reply = chat[-1]["content"][0]["text"]
+    assert reply
+    partial = [o[0][-1]["content"][0]["text"] for o in outputs[1:-1] if len(o[0]) == 2 and o[0][-1]["content"]]
+    assert any(len(p) < len(reply) for p in partial if p)  # text appeared before the reply ended
+    (row,) = table["data"]
+    assert row[0] == 1 and row[1] > 0 and 0 < row[3] <= 12 and row[4] in ("stop", "length")
+    # second turn: the earlier turns go with it
+    outputs = list(client.submit("And another.", chat, "You are terse.", 0.0, 12, table, api_name="/chat"))
+    chat, _, error, table = outputs[-1]
+    assert error == "" and [m["role"] for m in chat] == ["user", "assistant", "user", "assistant"]
+    assert [r[0] for r in table["data"]] == [1, 2]
+
+
+def test_chats_from_several_tabs_run_at_once(server):
+    clients = [Client(server.ui_url, verbose=False) for _ in range(2)]
+    first_token: dict[int, float] = {}
+    ended: dict[int, float] = {}
+
+    def chat(i: int) -> None:
+        for out in clients[i].submit("Count from one to twenty.", [], "", 0.0, 40, NO_REPLIES, api_name="/chat"):
+            if len(out[0]) == 2 and out[0][-1]["content"] and i not in first_token:
+                first_token[i] = time.monotonic()
+        ended[i] = time.monotonic()
+
+    threads = [threading.Thread(target=chat, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert set(ended) == {0, 1}
+    # each reply started streaming before the other one ended: they overlapped
+    assert first_token[0] < ended[1] and first_token[1] < ended[0]
+
+
+def test_stop_aborts_the_request_on_the_server(server, client):
+    job = client.submit("Write a very long story about a dragon.", [], "", 1.0, 2000, NO_REPLIES, api_name="/chat")
+    wait_for(lambda: any(len(o[0]) == 2 and o[0][-1]["content"] for o in job.outputs()), timeout=60)
+    started = time.time()
+    job.cancel()
+
+    def aborted():
+        with make_engine(server.db_url).connect() as conn:
+            rows = conn.execute(select(Request.finish_reason, Request.output_tokens)
+                                .where(Request.source == "chat", Request.arrival >= started - 120)).all()
+        return [r for r in rows if r.finish_reason == "abort"]
+
+    (row,) = wait_for(aborted, timeout=30)
+    assert row.output_tokens < 2000
+    assert wait_for(lambda: httpx.get(f"{server.base_url}/admin/state").json()["running"] == 0)
+
+
+def test_chat_refuses_an_empty_message(client):
+    chat, box, error, table = client.predict("   ", [], "", 0.7, 16, NO_REPLIES, api_name="/chat")
+    assert "Type a message" in error and chat == []
+
+
+# --------------------------------------------------------------------------------- load tests
+
+
+def _final(job):
+    outputs = list(job)
+    return outputs, outputs[-1]
+
+
+def test_load_test_runs_reports_progress_and_is_stored(server, client):
+    job = client.submit("skewed", 4, "all at once", 4, 2, 8, 0, "ui smoke", None, api_name="/loadtest_start")
+    outputs, (message, progress, results, _chart) = _final(job)
+    assert "finished" in message and 'data-state="finished"' in progress
+    assert any('data-state="running"' in o[1] for o in outputs[:-1])  # live progress while it ran
+    (row,) = results["data"]
+    assert row[1] == "completed" and row[2] == 4 and row[3] == 0
+    run = runs.get_run(server.db_url, row[-1], with_requests=True)
+    assert run["status"] == "completed" and run["name"] == "ui smoke" and len(run["requests"]) == 4
+    assert run["knobs"]["knobs"] == knobs(server)["knobs"]
+    with make_engine(server.db_url).connect() as conn:
+        sources = conn.execute(select(Request.source).where(Request.run_id == row[-1])).scalars().all()
+    assert wait_for(lambda: sources) and set(sources) == {"loadtest"}
+    table, select_update = client.predict(api_name="/runs_refresh")
+    assert row[-1] in [r[-1] for r in table["data"]]
+    assert row[-1] in [c[1] for c in select_update["choices"]]
+
+
+def test_load_test_form_errors_are_shown(client):
+    message, *_ = client.predict("jsonl", 4, "all at once", 4, 2, 0, 0, "", None, api_name="/loadtest_start")
+    assert "upload a JSONL" in message
+
+
+def test_cancel_stops_a_running_load_test(server, client):
+    job = client.submit("skewed", 24, "fixed concurrency", 4, 2, 64, 0, "to cancel", None,
+                        api_name="/loadtest_start")
+    wait_for(lambda: any('data-state="running"' in o[1] for o in job.outputs()), timeout=60)
+    assert "Cancelling" in Client(server.ui_url, verbose=False).predict(api_name="/loadtest_cancel")
+    outputs, (message, progress, results, _chart) = _final(job)
+    assert "cancelled" in message and 'data-state="cancelled"' in progress
+    (row,) = results["data"]
+    assert row[1] == "cancelled" and row[2] < 24
+    assert runs.get_run(server.db_url, row[-1])["status"] == "cancelled"
+    assert "No load test" in client.predict(api_name="/loadtest_cancel")
+
+
+def test_ab_runs_both_policies_side_by_side_and_restores_the_policy(server, client):
+    before = knobs(server)
+    job = client.submit("skewed", 4, "all at once", 4, 2, 8, 0, "ab", None, api_name="/loadtest_ab")
+    _, (message, progress, results, chart) = _final(job)
+    assert "finished" in message
+    legs = {r[0]: r for r in results["data"]}
+    assert set(legs) == {"continuous", "static"} and all(r[1] == "completed" for r in legs.values())
+    for policy, row in legs.items():
+        run = runs.get_run(server.db_url, row[-1])
+        assert run["knobs"]["knobs"]["scheduling_policy"] == policy and run["name"] == f"ab [A/B {policy}]"
+    assert {t["name"] for t in json.loads(chart["plot"])["data"]} == {"continuous", "static"}
+    after = knobs(server)
+    assert after["knobs"]["scheduling_policy"] == before["knobs"]["scheduling_policy"] == "continuous"
+    history = httpx.get(f"{server.base_url}/admin/knobs/history").json()["data"]
+    switches = [h for h in history if h["version"] > before["version"]]
+    assert [h["new"]["scheduling_policy"] for h in switches] == ["static", "continuous"]
+    assert {h["source"] for h in switches} == {"dashboard"}
+
+
+# --------------------------------------------------------------------------------------- runs
+
+
+def test_compare_and_export_stored_runs(server, client):
+    ids = [r["id"] for r in runs.list_runs(server.db_url) if r["status"] == "completed"][:2]
+    if len(ids) < 2:
+        for i in range(2 - len(ids)):
+            _final(client.submit("skewed", 2, "all at once", 4, 2, 4, i, f"cmp {i}", None,
+                                 api_name="/loadtest_start"))
+        ids = [r["id"] for r in runs.list_runs(server.db_url) if r["status"] == "completed"][:2]
+    client.predict(api_name="/runs_refresh")  # as the page does on load: the selector lists the runs
+    status, *plots = client.predict(ids[:1], api_name="/runs_compare")
+    assert "two or more" in status
+    status, throughput, latency, overlay = client.predict(ids, api_name="/runs_compare")
+    assert "Comparing 2 runs" in status
+    for plot in (throughput, latency, overlay):
+        names_shown = [t["name"] for t in json.loads(plot["plot"])["data"]]
+        assert [n[-9:-1] for n in names_shown] == [run_id[:8] for run_id in ids]
+    names = [runs.get_run(server.db_url, i)["name"] for i in ids]
+    for fmt, suffix in (("HTML", ".html"), ("Markdown", ".md"), ("CSV", ".csv")):
+        status, path = client.predict(ids, fmt, api_name="/report_export")
+        assert "Report written" in status and path.endswith(suffix)
+        text = Path(path).read_text()
+        assert all(name in text for name in names)
+    status, path = client.predict([], "CSV", api_name="/report_export")
+    assert "at least one run" in status and path is None
+
+
+# --------------------------------------------------------------------------------------- auth
+
+
+def test_with_an_api_key_the_dashboard_needs_a_login_and_keeps_the_key(loaded_model, tmp_path):
+    key = "sk-dashboard-secret"
+    with serve_dashboard(loaded_model, f"sqlite:///{tmp_path / 'auth.db'}", api_key=key, num_blocks=64) as srv:
+        page = httpx.get(srv.ui_url)
+        assert page.status_code == 200 and key not in page.text
+        config = httpx.get(f"{srv.base_url}/ui/config")
+        assert config.status_code == 401 or config.json().get("auth_required")
+        with pytest.raises(Exception):
+            Client(srv.ui_url, verbose=False, auth=("operator", "wrong"))
+        authed = Client(srv.ui_url, verbose=False, auth=("operator", key))
+        status, effective, fixed, *form = authed.predict(api_name="/knobs_reload")
+        assert "In force" in effective  # the dashboard called /admin with the key, server-side
+        status, *_ = authed.predict(8, 512, 256, 1, 1, "continuous", api_name="/knobs_apply")
+        assert "Applied" in status
+        assert httpx.get(f"{srv.base_url}/admin/knobs", headers={"Authorization": f"Bearer {key}"}
+                         ).json()["knobs"]["max_num_seqs"] == 8
+        with httpx.Client(base_url=srv.base_url) as browser:  # what a logged-in browser receives
+            assert browser.post("/ui/login", data={"username": "op", "password": key}).status_code == 200
+            assert key not in browser.get("/ui/config").text
+            assert key not in browser.get("/ui/").text

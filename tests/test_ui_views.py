@@ -1,0 +1,243 @@
+"""Dashboard pieces without a server: presets, form checks, chat turns, and the Live / Runs /
+report views over a real SQLite telemetry store filled by the real TelemetryWriter."""
+
+from __future__ import annotations
+
+import time
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from appliance.bench.metrics import RequestResult, summarize
+from appliance.engine.stats import IterationStats, KnobChange, RequestStats
+from appliance.telemetry import runs, store
+from appliance.telemetry.writer import TelemetryWriter
+from ui import charts, live_tab, reports, runs_tab
+from ui.api_client import ApiError, ChatStats, _take_chat_event
+from ui.chat_tab import build_messages, message_text, stats_row
+from ui.knobs_panel import (
+    KNOB_NAMES,
+    coerce,
+    describe_change,
+    diff_knobs,
+    load_presets,
+    rejected_markdown,
+)
+from ui.loadtest_tab import build_spec
+from ui.runs_view import TABLE_HEADERS, knob_snapshot, run_figures, table_row
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+# ------------------------------------------------------------------------------------- knobs
+
+
+def test_presets_are_the_knob_keys_of_the_config_files():
+    presets = load_presets(CONFIGS)
+    assert set(presets) == {"latency", "throughput"}
+    for name, knobs in presets.items():
+        with (CONFIGS / f"{name}.toml").open("rb") as fh:
+            data = tomllib.load(fh)
+        assert knobs == {k: v for k, v in data.items() if k in KNOB_NAMES}
+        assert knobs  # each preset sets knobs
+
+
+def test_presets_skip_other_keys_and_missing_files(tmp_path):
+    (tmp_path / "latency.toml").write_text('kv_cache_memory = "1GiB"\nmax_num_seqs = 8\n')
+    assert load_presets(tmp_path) == {"latency": {"max_num_seqs": 8}}
+    assert load_presets(tmp_path / "nowhere") == {}
+
+
+def test_form_values_are_coerced_and_only_changes_are_sent():
+    assert coerce(7.0) == 7 and isinstance(coerce(7.0), int)
+    assert coerce(7.5) == 7.5  # left for the server to reject
+    assert coerce("static") == "static"
+    current = {"max_num_seqs": 64, "scheduling_policy": "continuous"}
+    assert diff_knobs(current, {"max_num_seqs": 64, "scheduling_policy": "static"}) == {
+        "scheduling_policy": "static"}
+    assert describe_change(current, {"max_num_seqs": 16}) == "max_num_seqs 64→16"
+
+
+def test_rejection_lists_every_field():
+    text = rejected_markdown(ApiError("bad", 422, {"max_num_seqs": "must be >= 1", "x": "unknown knob"}))
+    assert "nothing applied" in text and "`max_num_seqs`: must be >= 1" in text and "`x`" in text
+
+
+# -------------------------------------------------------------------------------------- chat
+
+
+def test_chat_history_in_gradio_parts_becomes_openai_messages():
+    history = [
+        {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+        {"role": "assistant", "content": "hello"},
+        {"role": "assistant", "content": ""},  # a stopped reply with no text yet is left out
+    ]
+    assert message_text([{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]) == "ab"
+    assert build_messages("  be brief ", history, "again") == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"},
+        {"role": "user", "content": "again"},
+    ]
+    assert build_messages("", [], "x") == [{"role": "user", "content": "x"}]
+
+
+def test_chat_stream_events_fill_the_reply_stats():
+    stats = ChatStats(started=10.0)
+    assert _take_chat_event('{"choices":[{"delta":{"content":"Hi"},"finish_reason":null}]}', stats) == "Hi"
+    assert _take_chat_event('{"choices":[{"delta":{},"finish_reason":"stop"}]}', stats) == ""
+    assert _take_chat_event('{"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":9}}', stats) == ""
+    stats.first_token, stats.ended = 10.2, 11.0
+    assert stats.finish_reason == "stop" and stats.tokens == 9
+    assert stats.ttft_s == pytest.approx(0.2) and stats.tokens_per_s == pytest.approx(8 / 0.8)
+    assert stats_row(3, stats) == [3, 200.0, 10.0, 9, "stop"]
+    with pytest.raises(ApiError, match="boom"):
+        _take_chat_event('{"error":{"message":"boom"}}', stats)
+
+
+# --------------------------------------------------------------------------------- load test
+
+
+def test_load_test_form_is_checked():
+    ok = build_spec("skewed", 64, "all at once", 1, 1, 0, 0, "", None)
+    assert len(ok.requests) == 64 and ok.rate is None and ok.concurrency is None and ok.name is None
+    capped = build_spec("skewed", 64, "Poisson rate", 2.5, 1, 8, 0, " mine ", None)
+    assert max(r.output_len for r in capped.requests) == 8 and capped.rate == 2.5 and capped.name == "mine"
+    assert build_spec("skewed", 64, "fixed concurrency", 1, 3, 0, 0, "", None).concurrency == 3
+    with pytest.raises(ValueError, match="positive whole number"):
+        build_spec("skewed", 0, "all at once", 1, 1, 0, 0, "", None)
+    with pytest.raises(ValueError, match="upload a JSONL"):
+        build_spec("jsonl", 4, "all at once", 1, 1, 0, 0, "", None)
+    with pytest.raises(ValueError, match="above zero"):
+        build_spec("skewed", 64, "Poisson rate", 0, 1, 0, 0, "", None)
+    with pytest.raises(ValueError, match="concurrency"):
+        build_spec("skewed", 64, "fixed concurrency", 1, 0, 0, 0, "", None)
+
+
+def test_load_test_takes_an_uploaded_jsonl(tmp_path):
+    path = tmp_path / "mine.jsonl"
+    path.write_text('{"prompt": "hello", "max_tokens": 4}\n{"prompt_ids": [1, 2, 3], "output_len": 2}\n')
+    spec = build_spec("jsonl", 2, "all at once", 1, 1, 0, 0, "", str(path))
+    assert [r.output_len for r in spec.requests] == [4, 2]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("{not json}\n")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        build_spec("jsonl", 1, "all at once", 1, 1, 0, 0, "", str(bad))
+
+
+# ------------------------------------------------------------------------ telemetry-backed views
+
+
+def _iteration(i: int, t: float, running: int, policy: str = "continuous", version: int = 0) -> IterationStats:
+    return IterationStats(
+        iteration=i, started_at=t, duration_s=0.05, running=running, waiting=2, prefill_seqs=1,
+        prefill_tokens=30, decode_seqs=running, decode_tokens=running, scheduled_tokens=30 + running,
+        padding_tokens=0, token_budget=512, max_num_seqs=16, kv_blocks_used=64, kv_blocks_free=448,
+        kv_blocks_total=512, preemptions=1 if i == 3 else 0, finished=0, knob_version=version,
+        policy=policy,
+    )
+
+
+@pytest.fixture
+def filled_store(tmp_path):
+    """A migrated SQLite store with 40 iterations over the last 20 s, 6 requests, one knob
+    change and one stored run, all written through the real writer / runs API."""
+    url = f"sqlite:///{tmp_path / 'ui.db'}"
+    store.upgrade(url)
+    now = time.time()
+    writer = TelemetryWriter(url, "r1", flush_interval_s=0.05).start()
+    for i in range(40):
+        writer.on_iteration(_iteration(i, now - 20 + i * 0.5, running=4 + i % 3))
+    for i in range(6):
+        arrival = now - 15 + i
+        writer.on_request(RequestStats(f"req-{i}", "loadtest", "run-a", arrival, arrival + 0.01,
+                                       arrival + 0.1 * (i + 1), arrival + 2.0, 20, 11, "length", 0))
+    writer.on_knob_change(KnobChange(1, 20, now - 10, {"max_num_seqs": 64}, {"max_num_seqs": 16}, "dashboard"))
+    assert writer.flush()
+    writer.close()
+    results = [RequestResult(index=i, sent_at=now - 15 + i, ok=True, ttft=0.1 * (i + 1),
+                             itl=[0.05] * 10, e2e=2.0, prompt_tokens=20, output_tokens=11) for i in range(6)]
+    summary = summarize(results, 8.0, 6)
+    knobs = {"knobs": {"max_num_seqs": 16, "max_num_batched_tokens": 512, "scheduling_policy": "continuous",
+                       "long_prefill_token_threshold": 256, "max_num_partial_prefills": 1}, "version": 1}
+    runs.create_run(url, "smoke", "skewed n=6 seed=0", {"mode": "all-at-once"}, knobs, "r1",
+                    run_id="run-a", started_at=now - 16)
+    runs.finish_run(url, "run-a", "completed", {"summary": summary.as_dict()}, ended_at=now - 6)
+    runs.create_run(url, "bare", "skewed n=6 seed=1", {"mode": "all-at-once"}, knobs["knobs"], "r1",
+                    run_id="run-b", started_at=now - 16)
+    return url, now, summary
+
+
+def test_live_figures_show_the_stored_series_and_the_knob_change(filled_store):
+    url, now, _ = filled_store
+    engine = store.make_engine(url)
+    window = live_tab.resolve_window(engine, "1m", now=now)
+    data = live_tab.fetch(engine, window, "1m")
+    figs = live_tab.build_figures(data)
+    assert len(figs) == len(live_tab.CHART_IDS)
+    titles = [f.layout.title.text for f in figs]
+    assert titles[0].startswith("Running vs max_num_seqs") and titles[6].startswith("TTFT")
+    running = figs[0].data[0]
+    assert min(running.y) >= 4 and max(running.y) <= 6  # the running values written
+    assert figs[0].data[2].name == "max_num_seqs" and set(figs[0].data[2].y) == {16}
+    kv_pct = figs[2].data[0].y
+    assert all(v == pytest.approx(64 / 512 * 100) for v in kv_pct)
+    ttft = figs[6].data
+    assert [t.name for t in ttft] == ["p50", "p90", "p99"]
+    assert min(ttft[0].y) == pytest.approx(100, rel=0.01) and max(ttft[2].y) <= 600 + 1e-6
+    for fig in figs:  # every chart marks the knob change
+        labels = [a.text for a in fig.layout.annotations]
+        assert "v1: max_num_seqs 64→16" in labels
+        assert any(s.type == "line" for s in fig.layout.shapes)
+    engine.dispose()
+
+
+def test_headline_and_run_window(filled_store):
+    url, now, _ = filled_store
+    engine = store.make_engine(url)
+    html = live_tab.headline_html(
+        {"running": 3, "waiting": 1, "kv_blocks_used": 128, "kv_blocks_total": 512, "uptime_s": 3725,
+         "model": "m", "device": "cpu", "telemetry_rows_dropped": 0},
+        {"knobs": {"max_num_seqs": 16, "scheduling_policy": "static"}}, 12.5, 2)
+    for text in ("3 / 1 (max 16)", "12.5", "25.0% (128/512)", "1h 02m", "static"):
+        assert text in html
+    window = live_tab.resolve_window(engine, "run:run-a", now=now)
+    assert window.run_id == "run-a" and window.since == pytest.approx(now - 16)
+    assert ("1 min", "1m") in live_tab.window_choices(engine)
+    assert any(v == "run:run-a" for _, v in live_tab.window_choices(engine))
+    engine.dispose()
+
+
+def test_runs_table_compare_and_reports(filled_store, tmp_path):
+    url, now, summary = filled_store
+    engine = store.make_engine(url)
+    stored = runs.get_run(engine, "run-a")
+    assert knob_snapshot(stored)["max_num_seqs"] == 16
+    figures = run_figures(engine, stored)
+    assert figures["completed"] == 6 and figures["ttft_p50_ms"] == pytest.approx(summary.ttft.p50 * 1000, abs=0.1)
+    row = table_row(engine, stored)
+    assert len(row) == len(TABLE_HEADERS) and row[1] == "smoke" and row[-1] == "run-a"
+    # a run without a stored summary falls back to the server-side figures (none here)
+    bare = run_figures(engine, runs.get_run(engine, "run-b"))
+    assert bare["completed"] == 0 and bare["output_tok_s"] is None
+    throughput, latency, overlay = runs_tab.compare_figures(engine, ["run-a", "run-b"])
+    assert [t.name for t in throughput.data] == ["smoke (run-a)", "bare (run-b)"]
+    assert latency.data[0].y[0] == pytest.approx(summary.ttft.p50 * 1000, abs=0.1)
+    assert len(overlay.data) == 2 and len(overlay.data[0].x) > 0
+    for fmt, suffix in (("HTML", ".html"), ("Markdown", ".md"), ("CSV", ".csv")):
+        path = reports.export(url, engine, ["run-a", "run-b"], fmt)
+        assert path.suffix == suffix and path.stat().st_size > 0
+        text = path.read_text()
+        assert "smoke" in text and "bare" in text
+    with pytest.raises(ValueError, match="at least one run"):
+        reports.export(url, engine, [], "CSV")
+    engine.dispose()
+
+
+def test_charts_label_changes_and_handle_no_data():
+    change = {"version": 4, "old": {"scheduling_policy": "continuous", "max_num_seqs": 8},
+              "new": {"scheduling_policy": "static", "max_num_seqs": 8}, "applied_at": time.time()}
+    assert charts.change_label(change) == "v4: scheduling_policy continuous→static"
+    fig = charts.bar_figure("t", "y", ["a"], {})
+    assert any("pick runs" in a.text for a in fig.layout.annotations)

@@ -1,0 +1,96 @@
+"""The operator dashboard: a Gradio Blocks app the server mounts at /ui.
+
+It is a client of the appliance: it talks to the engine only through the server's public HTTP
+API (at `base_url`, the server's own loopback URL) and reads telemetry only through
+appliance.telemetry.queries / runs. With an API key the dashboard requires a login (any user
+name, the key as password) and calls the API with the key on the server side only.
+
+    blocks = build_dashboard(base_url, db_url, api_key)
+    gr.mount_gradio_app(app, blocks, path="/ui", auth=dashboard_auth(api_key))
+"""
+
+from __future__ import annotations
+
+import hmac
+from pathlib import Path
+from typing import Callable
+
+import gradio as gr
+
+from appliance.telemetry.store import make_engine
+from ui.api_client import ApplianceAPI
+from ui.chat_tab import ChatTab
+from ui.context import DashboardContext
+from ui.knobs_panel import KnobsPanel
+from ui.live_tab import LiveTab
+from ui.loadtest_tab import LoadTests, LoadTestTab, generator_factory
+from ui.runs_tab import RunsTab
+
+TITLE = "Appliance dashboard"
+LOGIN_MESSAGE = "This appliance runs with an API key: log in with any user name and the key as password."
+
+
+def dashboard_auth(api_key: str | None) -> Callable[[str, str], bool] | None:
+    """Gradio `auth` for mount_gradio_app: any user name, the API key as password."""
+    if not api_key:
+        return None
+
+    def check(username: str, password: str) -> bool:
+        return hmac.compare_digest(password.encode(), api_key.encode())
+
+    return check
+
+
+def build_dashboard(
+    base_url: str, db_url: str, api_key: str | None = None, configs_dir: Path | None = None
+) -> gr.Blocks:
+    """The dashboard as a Blocks app (never launched here; the server mounts it)."""
+    api = ApplianceAPI(base_url, api_key)
+    ctx = DashboardContext(api=api, db_url=db_url, configs_dir=configs_dir, require_login=bool(api_key))
+    db = make_engine(db_url)
+    tests = LoadTests(api, db_url, generator_factory(base_url, api_key))
+    knobs, live, chat = KnobsPanel(ctx), LiveTab(ctx, db), ChatTab(ctx)
+    loadtest, runs_tab = LoadTestTab(ctx, tests), RunsTab(ctx, db)
+
+    with gr.Blocks(title=TITLE, analytics_enabled=False, fill_width=True) as blocks:
+        gr.Markdown(f"## {TITLE}", elem_id="dashboard-title")
+        with gr.Row():
+            with gr.Column(scale=4, min_width=600):
+                with gr.Tabs(elem_id="tabs"):
+                    with gr.Tab("Live", id="live", elem_id="tab-live") as live_page:
+                        live.build()
+                    with gr.Tab("Chat", id="chat", elem_id="tab-chat") as chat_page:
+                        chat.build()
+                    with gr.Tab("Load test", id="loadtest", elem_id="tab-loadtest") as loadtest_page:
+                        loadtest.build()
+                    with gr.Tab("Runs", id="runs", elem_id="tab-runs") as runs_page:
+                        runs_tab.build()
+            with gr.Column(scale=1, min_width=300):
+                knobs.build()
+        live.wire(knobs.effective)
+        # the Live charts refresh only while their tab is shown
+        live_page.select(lambda: gr.Timer(active=True), None, live.timer, api_name="live_shown")
+        for name, page in (("chat", chat_page), ("loadtest", loadtest_page), ("runs", runs_page)):
+            page.select(lambda: gr.Timer(active=False), None, live.timer, api_name=f"{name}_shown")
+
+        def after_job(request: gr.Request) -> list:
+            return [*runs_tab.refresh(request), live.choices()]
+
+        loadtest.wire(after_job, [*runs_tab.refresh_outputs, live.window])
+
+        def on_load(request: gr.Request) -> list:
+            return [*knobs.on_reload(request), *runs_tab.refresh(request), live.choices()]
+
+        blocks.load(on_load, None, [*knobs.load_outputs, *runs_tab.refresh_outputs, live.window],
+                    api_name="dashboard_load")
+    return blocks
+
+
+def mount_dashboard(app, base_url: str, db_url: str, api_key: str | None = None,
+                    configs_dir: Path | None = None, path: str = "/ui") -> gr.Blocks:
+    """Build the dashboard and mount it on a Starlette/FastAPI `app` at `path`, with the login
+    the API key calls for."""
+    blocks = build_dashboard(base_url, db_url, api_key, configs_dir)
+    gr.mount_gradio_app(app, blocks, path=path, auth=dashboard_auth(api_key),
+                        auth_message=LOGIN_MESSAGE if api_key else None)
+    return blocks

@@ -1,0 +1,133 @@
+"""Plotly figures of the dashboard, built from plain query results (no I/O here).
+
+Every time-series figure marks the knob changes in its window as vertical lines labelled with
+what changed ("v3: max_num_seqs 64→16").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from datetime import datetime
+from typing import Any
+
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+COLORS = ("#2563eb", "#dc2626", "#16a34a", "#9333ea", "#ea580c", "#0891b2", "#ca8a04", "#db2777")
+LAYOUT = dict(
+    height=260,
+    margin=dict(l=55, r=20, t=40, b=35),
+    legend=dict(orientation="h", yanchor="bottom", y=1.0, xanchor="right", x=1.0, font=dict(size=10)),
+    template={},  # plotly.js's own defaults and the settings here: a small payload
+    plot_bgcolor="white",
+    paper_bgcolor="white",
+    font=dict(family="sans-serif", size=11, color="#374151"),
+    xaxis=dict(gridcolor="#eef0f3", zeroline=False),
+    yaxis=dict(gridcolor="#eef0f3", zerolinecolor="#d1d5db"),
+    hovermode="x unified",
+)
+
+
+def layout(title: str, ytitle: str | None = None, xtitle: str | None = None, **extra: Any) -> dict[str, Any]:
+    """LAYOUT with a title at the top left (the legend takes the top right) and axis titles;
+    `extra` entries replace LAYOUT's (the axes' are merged)."""
+    out = {**LAYOUT, "title": dict(text=title, x=0.01, xanchor="left", font=dict(size=14))}
+    out["xaxis"] = {**LAYOUT["xaxis"], **({"title": dict(text=xtitle)} if xtitle else {}), **extra.pop("xaxis", {})}
+    out["yaxis"] = {**LAYOUT["yaxis"], **({"title": dict(text=ytitle)} if ytitle else {}), **extra.pop("yaxis", {})}
+    return {**out, **extra}
+
+
+def when(t: float) -> datetime:
+    return datetime.fromtimestamp(t)
+
+
+def change_label(change: dict[str, Any]) -> str:
+    """'v3: max_num_seqs 64→16, scheduling_policy continuous→static'."""
+    old, new = change.get("old") or {}, change.get("new") or {}
+    parts = [f"{k} {old.get(k)}→{v}" for k, v in new.items() if old.get(k) != v]
+    return f"v{change.get('version')}: " + (", ".join(parts) or "no change")
+
+
+def time_figure(title: str, yaxis_title: str, since: float, until: float) -> go.Figure:
+    # The Live charts are rebuilt every second beside the engine: skip plotly's per-property
+    # validation (about 3x faster; the traces below are plain, known-good dicts).
+    return go.Figure(layout=layout(title, yaxis_title, xaxis={"range": [when(since), when(until)], "type": "date"},
+                                   yaxis={"rangemode": "tozero"}), _validate=False)
+
+
+def mark_knob_changes(fig: go.Figure, changes: Iterable[dict[str, Any]]) -> go.Figure:
+    """Draw each change as a dashed vertical line with its label at the top of the plot."""
+    for i, change in enumerate(changes):
+        x = when(change["applied_at"])
+        fig.add_shape(type="line", x0=x, x1=x, xref="x", y0=0, y1=1, yref="paper",
+                      line=dict(color="#6b7280", width=1, dash="dash"))
+        fig.add_annotation(x=x, xref="x", y=1 - 0.12 * (i % 4), yref="paper", text=change_label(change),
+                           showarrow=False, xanchor="left", yanchor="top", font=dict(size=9, color="#374151"),
+                           bgcolor="rgba(255,255,255,0.75)")
+    return fig
+
+
+def line(fig: go.Figure, times: Sequence[float], values: Sequence[float], name: str, color: str,
+         *, dash: str | None = None, shape: str = "linear", fill: str | None = None,
+         width: float = 2, stackgroup: str | None = None,
+         markers: bool = False) -> None:
+    trace = dict(type="scatter", x=[when(t) for t in times], y=list(values), name=name,
+                 mode="lines+markers" if markers else "lines",
+                 line=dict(color=color, dash=dash, shape=shape, width=width))
+    if fill:
+        trace["fill"] = fill
+    if stackgroup:
+        trace["stackgroup"] = stackgroup
+    fig.add_trace(trace)
+
+
+def empty_note(fig: go.Figure, text: str = "no data in this window") -> go.Figure:
+    fig.add_annotation(text=text, xref="paper", yref="paper", x=0.5, y=0.5, showarrow=False,
+                       font=dict(size=12, color="#9ca3af"))
+    return fig
+
+
+# ------------------------------------------------------------------------------- run compare
+
+
+def bar_figure(title: str, yaxis_title: str, categories: Sequence[str],
+               series: dict[str, Sequence[float | None]]) -> go.Figure:
+    """Grouped bars: one group per category, one bar per entry of `series` (e.g. per run)."""
+    fig = go.Figure()
+    for i, (name, values) in enumerate(series.items()):
+        fig.add_trace(go.Bar(name=name, x=list(categories), y=list(values),
+                             marker_color=COLORS[i % len(COLORS)]))
+    fig.update_layout(layout(title, yaxis_title, barmode="group", height=320, hovermode="closest"))
+    if not series:
+        empty_note(fig, "pick runs to compare")
+    return fig
+
+
+def side_by_side_figure(title: str, throughput: dict[str, float | None],
+                        latency: dict[str, Sequence[float | None]], latency_labels: Sequence[str]) -> go.Figure:
+    """Two panels: output tokens/s per entry (left) and latency percentiles in ms (right)."""
+    fig = make_subplots(rows=1, cols=2, column_widths=[0.3, 0.7],
+                        subplot_titles=("output tokens/s", "latency (ms)"))
+    for i, name in enumerate(throughput):
+        color = COLORS[i % len(COLORS)]
+        fig.add_trace(go.Bar(name=name, x=[name], y=[throughput[name]], marker_color=color,
+                             legendgroup=name, showlegend=False), row=1, col=1)
+        fig.add_trace(go.Bar(name=name, x=list(latency_labels), y=list(latency[name]), marker_color=color,
+                             legendgroup=name), row=1, col=2)
+    fig.update_layout(layout(title, barmode="group", height=320, hovermode="closest"))
+    if not throughput:
+        empty_note(fig, "no completed run")
+    return fig
+
+
+def overlay_figure(title: str, yaxis_title: str,
+                   series: dict[str, tuple[Sequence[float], Sequence[float]]]) -> go.Figure:
+    """Lines over seconds since each run's start, one per run."""
+    fig = go.Figure()
+    for i, (name, (xs, ys)) in enumerate(series.items()):
+        fig.add_trace(go.Scatter(x=list(xs), y=list(ys), name=name, mode="lines",
+                                 line=dict(color=COLORS[i % len(COLORS)], width=2)))
+    fig.update_layout(layout(title, yaxis_title, "seconds since the run started", height=320))
+    if not series:
+        empty_note(fig, "pick runs to compare")
+    return fig

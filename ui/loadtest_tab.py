@@ -1,0 +1,330 @@
+"""Load-test tab: run a workload against the server with appliance.bench, watch it, cancel it.
+
+A job runs in a background thread with its own event loop (the bench runner stores each run in
+the telemetry store; requests go out with appliance_source "loadtest"). One job at a time: the
+appliance has one engine, and an A/B job switches its policy. "A/B" runs the same workload under
+continuous then static batching (PATCH /admin/knobs before each leg) and restores the policy
+that was in force before.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import html
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import gradio as gr
+import plotly.graph_objects as go
+
+from appliance.bench.cli import build_workload
+from appliance.bench.loadgen import BenchError, LoadGenerator, Progress
+from appliance.bench.runner import BenchmarkRun, run_benchmark
+from appliance.bench.workloads import BenchRequest
+from ui import charts
+from ui.api_client import ApiError, ApplianceAPI
+from ui.context import DashboardContext
+
+WORKLOAD_CHOICES = [("skewed", "skewed"), ("sharegpt", "sharegpt"),
+                    ("long-prompt-burst", "long-prompt-burst"), ("custom JSONL upload", "jsonl")]
+ARRIVALS = ("all at once", "Poisson rate", "fixed concurrency")
+AB_POLICIES = ("continuous", "static")
+POLL_S = 0.5
+RESULT_HEADERS = ["leg", "status", "completed", "failed", "output tok/s", "req/s", "TTFT p50 ms",
+                  "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "E2E p99 s", "run id"]
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """What the form asks for, checked."""
+
+    requests: list[BenchRequest]
+    workload: str  # description stored with the run
+    rate: float | None
+    concurrency: int | None
+    seed: int
+    name: str | None
+
+
+def _positive_int(value: Any, what: str) -> int:
+    if value is None or float(value) != int(float(value)) or int(float(value)) < 1:
+        raise ValueError(f"{what} must be a positive whole number, got {value!r}")
+    return int(float(value))
+
+
+def build_spec(workload: str, num_requests: Any, arrival: str, rate: Any, concurrency: Any,
+               max_output: Any, seed: Any, name: str | None, upload: str | None) -> LoadSpec:
+    """Turn the form into a workload; ValueError/FileNotFoundError say what is wrong."""
+    n = _positive_int(num_requests, "number of requests")
+    if arrival not in ARRIVALS:
+        raise ValueError(f"arrival must be one of {', '.join(ARRIVALS)}")
+    if workload == "jsonl" and not upload:
+        raise ValueError("upload a JSONL file for the custom workload")
+    args = argparse.Namespace(workload=workload, num_requests=n, seed=int(seed or 0),
+                              file=upload if workload == "jsonl" else None, long_prompt_len=1024,
+                              model=None)
+    requests, description = build_workload(args)
+    cap = int(float(max_output or 0))
+    if cap < 0:
+        raise ValueError(f"max output tokens must be 0 (the workload's own) or more, got {cap}")
+    if cap:
+        requests = [dataclasses.replace(r, output_len=min(r.output_len or cap, cap)) for r in requests]
+        description += f" max_output={cap}"
+    run_rate = float(rate) if arrival == "Poisson rate" else None
+    if run_rate is not None and not run_rate > 0:
+        raise ValueError(f"the Poisson rate must be above zero, got {rate!r}")
+    run_concurrency = _positive_int(concurrency, "concurrency") if arrival == "fixed concurrency" else None
+    return LoadSpec(requests, description, run_rate, run_concurrency, int(seed or 0),
+                    (name or "").strip() or None)
+
+
+@dataclass
+class Leg:
+    """One run of a job (an A/B job has two)."""
+
+    label: str
+    policy: str | None  # set before the leg runs (A/B), None to leave the knobs alone
+    progress: Progress | None = None
+    run: BenchmarkRun | None = None
+    error: str | None = None
+    started: bool = False
+
+
+@dataclass
+class Job:
+    legs: list[Leg]
+    done: threading.Event = field(default_factory=threading.Event)
+    cancelled: bool = False
+    note: str | None = None  # e.g. the policy could not be restored
+    generator: LoadGenerator | None = None
+
+
+class LoadTests:
+    """Runs at most one job at a time in a background thread."""
+
+    def __init__(self, api: ApplianceAPI, db_url: str, make_generator: Callable[..., LoadGenerator]):
+        self.api = api
+        self.db_url = db_url
+        self.make_generator = make_generator
+        self._lock = threading.Lock()
+        self.current: Job | None = None
+
+    def start(self, spec: LoadSpec, ab: bool) -> Job:
+        legs = ([Leg(f"{p}", p) for p in AB_POLICIES] if ab else [Leg("run", None)])
+        job = Job(legs)
+        with self._lock:
+            if self.current is not None and not self.current.done.is_set():
+                raise gr.Error("a load test is already running; cancel it or wait for it to finish")
+            self.current = job
+        threading.Thread(target=self._run, args=(job, spec), name="dashboard-loadtest", daemon=True).start()
+        return job
+
+    def cancel(self) -> bool:
+        with self._lock:
+            job = self.current
+        if job is None or job.done.is_set():
+            return False
+        job.cancelled = True
+        if job.generator is not None:
+            job.generator.cancel()
+        return True
+
+    def _run(self, job: Job, spec: LoadSpec) -> None:
+        restore: str | None = None
+        try:
+            if any(leg.policy for leg in job.legs):
+                restore = self.api.knobs()["knobs"]["scheduling_policy"]
+            for leg in job.legs:
+                if job.cancelled:
+                    break
+                self._run_leg(job, leg, spec)
+        except ApiError as exc:
+            job.legs[0].error = job.legs[0].error or exc.message
+        finally:
+            if restore is not None:
+                try:
+                    self._set_policy(restore)
+                except ApiError as exc:
+                    job.note = f"could not restore scheduling_policy={restore}: {exc.message}"
+            job.done.set()
+
+    def _set_policy(self, policy: str) -> None:
+        if self.api.knobs()["knobs"].get("scheduling_policy") != policy:
+            self.api.patch_knobs({"scheduling_policy": policy})
+
+    def _run_leg(self, job: Job, leg: Leg, spec: LoadSpec) -> None:
+        try:
+            if leg.policy:
+                self._set_policy(leg.policy)
+            generator = self.make_generator(spec, lambda p: setattr(leg, "progress", p))
+            job.generator = generator
+            if job.cancelled:
+                generator.cancel()
+            name = spec.name
+            if leg.policy:
+                name = f"{name or spec.workload} [A/B {leg.policy}]"
+            leg.started = True
+            leg.run = asyncio.run(run_benchmark(generator, workload=spec.workload, name=name,
+                                                db_url=self.db_url))
+        except (ApiError, BenchError) as exc:
+            leg.error = getattr(exc, "message", None) or str(exc)
+        except Exception as exc:  # shown to the operator; the job must always end
+            leg.error = f"{type(exc).__name__}: {exc}"
+
+
+def generator_factory(base_url: str, api_key: str | None) -> Callable[..., LoadGenerator]:
+    def make(spec: LoadSpec, progress: Callable[[Progress], None]) -> LoadGenerator:
+        return LoadGenerator(spec.requests, base_url=base_url, rate=spec.rate,
+                             concurrency=spec.concurrency, seed=spec.seed, api_key=api_key,
+                             appliance_server=True, progress=progress)
+
+    return make
+
+
+# --------------------------------------------------------------------------------------- views
+
+
+def leg_state(leg: Leg, job: Job) -> str:
+    if leg.error:
+        return "failed"
+    if leg.run is not None:
+        return leg.run.status
+    if leg.started and not job.done.is_set():
+        return "running"
+    return "cancelled" if job.cancelled else ("waiting" if not job.done.is_set() else "not run")
+
+
+def progress_html(job: Job) -> str:
+    """One progress bar per leg, with the job state in data-state for scripts and tests."""
+    state = "running" if not job.done.is_set() else ("cancelled" if job.cancelled else "finished")
+    parts = [f'<div id="loadtest-state" data-state="{state}">']
+    for leg in job.legs:
+        p = leg.progress
+        done, total = (p.done, p.total) if p else (0, 0)
+        text = (f"{done}/{total} done, {p.ok} ok, {p.failed} failed, {p.in_flight} in flight, "
+                f"{p.elapsed_s:.1f} s, {p.output_throughput:.1f} output tok/s") if p else "not started"
+        if leg.error:
+            text = f"error: {leg.error}"
+        parts.append(
+            f'<div class="leg" data-leg="{html.escape(leg.label)}" data-leg-state="{leg_state(leg, job)}">'
+            f"<b>{html.escape(leg.label)}</b> [{leg_state(leg, job)}] "
+            f'<progress value="{done}" max="{max(total, 1)}" style="width:50%"></progress> '
+            f"{html.escape(text)}</div>"
+        )
+    if job.note:
+        parts.append(f"<div><b>Warning:</b> {html.escape(job.note)}</div>")
+    parts.append("</div>")
+    return "".join(parts)
+
+
+def _ms(value: float | None) -> float | None:
+    return None if value is None else round(value * 1000, 1)
+
+
+def result_rows(job: Job) -> list[list[Any]]:
+    rows = []
+    for leg in job.legs:
+        if leg.run is None:
+            continue
+        s = leg.run.load.summary
+        rows.append([leg.label, leg.run.status, s.completed, s.failed, round(s.output_throughput, 1),
+                     round(s.request_throughput, 2), _ms(s.ttft.p50), _ms(s.ttft.p99), _ms(s.itl.p50),
+                     _ms(s.itl.p99), None if s.e2e.p99 is None else round(s.e2e.p99, 2), leg.run.run_id])
+    return rows
+
+
+def result_figure(job: Job) -> go.Figure:
+    """The legs side by side: output tokens/s, and TTFT / ITL percentiles."""
+    labels = ["TTFT p50", "TTFT p99", "ITL p50", "ITL p99"]
+    throughput, latency = {}, {}
+    for leg in job.legs:
+        if leg.run is not None:
+            s = leg.run.load.summary
+            throughput[leg.label] = round(s.output_throughput, 1)
+            latency[leg.label] = [_ms(s.ttft.p50), _ms(s.ttft.p99), _ms(s.itl.p50), _ms(s.itl.p99)]
+    title = "A/B: continuous vs static" if len(job.legs) > 1 else "Load test result"
+    return charts.side_by_side_figure(title, throughput, latency, labels)
+
+
+class LoadTestTab:
+    def __init__(self, ctx: DashboardContext, tests: LoadTests):
+        self.ctx = ctx
+        self.tests = tests
+
+    def build(self) -> None:
+        with gr.Row():
+            self.workload = gr.Dropdown(WORKLOAD_CHOICES, value="skewed", label="Workload",
+                                        elem_id="loadtest-workload")
+            self.num_requests = gr.Number(16, label="Number of requests", precision=0, minimum=1,
+                                          elem_id="loadtest-requests")
+            self.max_output = gr.Number(0, label="Max output tokens per request (0: the workload's)",
+                                        precision=0, minimum=0, elem_id="loadtest-max-output")
+            self.seed = gr.Number(0, label="Seed", precision=0, elem_id="loadtest-seed")
+        with gr.Row():
+            self.arrival = gr.Radio(list(ARRIVALS), value="all at once", label="Arrival",
+                                    elem_id="loadtest-arrival")
+            self.rate = gr.Number(4.0, label="Poisson rate (requests/s)", elem_id="loadtest-rate")
+            self.concurrency = gr.Number(8, label="Concurrency", precision=0, elem_id="loadtest-concurrency")
+        with gr.Row():
+            self.name = gr.Textbox(label="Run name (optional)", elem_id="loadtest-name")
+            self.upload = gr.File(label="Custom JSONL", file_types=[".jsonl"], type="filepath",
+                                  elem_id="loadtest-jsonl")
+        with gr.Row():
+            self.start_button = gr.Button("Start", variant="primary", elem_id="loadtest-start")
+            self.ab_button = gr.Button("A/B: continuous vs static", elem_id="loadtest-ab")
+            self.cancel_button = gr.Button("Cancel", variant="stop", elem_id="loadtest-cancel")
+        self.message = gr.Markdown("", elem_id="loadtest-message")
+        self.progress = gr.HTML("", elem_id="loadtest-progress")
+        self.results = gr.Dataframe(headers=RESULT_HEADERS, value=[], interactive=False,
+                                    label="Results", elem_id="loadtest-results")
+        self.chart = gr.Plot(elem_id="loadtest-chart", show_label=False)
+
+    def wire(self, after: Callable[..., Any], after_outputs: list[Any]) -> None:
+        """Wire the buttons; `after` runs when a job ends (e.g. refresh the runs table)."""
+        inputs = [self.workload, self.num_requests, self.arrival, self.rate, self.concurrency,
+                  self.max_output, self.seed, self.name, self.upload]
+        outputs = [self.message, self.progress, self.results, self.chart]
+        for button, ab, api_name in ((self.start_button, False, "loadtest_start"),
+                                     (self.ab_button, True, "loadtest_ab")):
+            handler = self._start_ab if ab else self._start
+            button.click(handler, inputs, outputs, api_name=api_name, show_progress="hidden",
+                         concurrency_limit=None).then(after, None, after_outputs,
+                                                      api_name=f"{api_name}_done")
+        self.cancel_button.click(self.on_cancel, None, [self.message], api_name="loadtest_cancel")
+
+    def _start(self, workload: str, num_requests: float, arrival: str, rate: float, concurrency: float,
+               max_output: float, seed: float, name: str, upload: str | None,
+               request: gr.Request) -> Iterator[list[Any]]:
+        form = (workload, num_requests, arrival, rate, concurrency, max_output, seed, name, upload)
+        yield from self.run(form, ab=False, request=request)
+
+    def _start_ab(self, workload: str, num_requests: float, arrival: str, rate: float,
+                  concurrency: float, max_output: float, seed: float, name: str, upload: str | None,
+                  request: gr.Request) -> Iterator[list[Any]]:
+        form = (workload, num_requests, arrival, rate, concurrency, max_output, seed, name, upload)
+        yield from self.run(form, ab=True, request=request)
+
+    def run(self, form: tuple[Any, ...], ab: bool, request: gr.Request) -> Iterator[list[Any]]:
+        """Start a job and report its progress every POLL_S until it ends."""
+        self.ctx.check(request)
+        yield ["Preparing the workload…", "", gr.update(), gr.update()]
+        try:
+            spec = build_spec(*form)
+        except (ValueError, FileNotFoundError) as exc:
+            yield [f"**Error:** {exc}", gr.update(), gr.update(), gr.update()]
+            return
+        job = self.tests.start(spec, ab)
+        label = "A/B job" if ab else "Load test"
+        while not job.done.wait(POLL_S):
+            yield [f"{label} running: {spec.workload}", progress_html(job), result_rows(job), gr.update()]
+        errors = [f"{leg.label}: {leg.error}" for leg in job.legs if leg.error]
+        end = "cancelled" if job.cancelled else "finished"
+        message = f"{label} {end}: {spec.workload}" + ("".join(f"\n\n**Error:** {e}" for e in errors))
+        yield [message, progress_html(job), result_rows(job), result_figure(job)]
+
+    def on_cancel(self, request: gr.Request) -> str:
+        self.ctx.check(request)
+        return "Cancelling the load test…" if self.tests.cancel() else "No load test is running."
