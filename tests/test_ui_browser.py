@@ -54,6 +54,18 @@ def knobs(server) -> dict:
     return httpx.get(f"{server.base_url}/admin/knobs").json()
 
 
+def aborted_chats(server) -> int:
+    """Chat requests the server recorded as aborted."""
+    from sqlalchemy import func, select
+
+    from appliance.telemetry.models import Request
+    from appliance.telemetry.store import using_engine
+
+    with using_engine(server.db_url) as engine, engine.connect() as conn:
+        return conn.execute(select(func.count()).select_from(Request).where(
+            Request.source == "chat", Request.finish_reason == "abort")).scalar_one()
+
+
 def open_tab(page, name: str) -> None:
     page.get_by_role("tab", name=name).click()
 
@@ -143,6 +155,7 @@ def test_chat_streams_an_answer(server, page):
 
 
 def test_stop_ends_a_streaming_reply_and_the_server_aborts_it(server, page):
+    aborted_before = aborted_chats(server)
     open_tab(page, "Chat")
     page.locator("#chat-clear").click()
     page.locator("#chat-max-tokens input[data-testid='number-input']").fill("1500")
@@ -156,7 +169,11 @@ def test_stop_ends_a_streaming_reply_and_the_server_aborts_it(server, page):
     deadline = time.monotonic() + 15
     while httpx.get(f"{server.base_url}/admin/state").json()["running"] and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert httpx.get(f"{server.base_url}/admin/state").json()["running"] == 0  # aborted, not finished
+    assert httpx.get(f"{server.base_url}/admin/state").json()["running"] == 0
+    deadline = time.monotonic() + 10
+    while aborted_chats(server) == aborted_before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert aborted_chats(server) == aborted_before + 1  # the server aborted it (finish_reason abort)
     stopped = bot.text_content()
     time.sleep(1.0)
     assert bot.text_content() == stopped  # nothing more streams in

@@ -261,7 +261,7 @@ def test_ab_runs_both_policies_side_by_side_and_restores_the_policy(server, clie
     assert set(legs) == {"continuous", "static"} and all(r[1] == "completed" for r in legs.values())
     for policy, row in legs.items():
         run = runs.get_run(server.db_url, row[-1])
-        assert run["knobs"]["knobs"]["scheduling_policy"] == policy and run["name"] == f"ab [A/B {policy}]"
+        assert run["knobs"]["knobs"]["scheduling_policy"] == policy and run["name"] == f"ab [{policy}]"
     assert {t["name"] for t in json.loads(chart["plot"])["data"]} == {"continuous", "static"}
     after = knobs(server)
     assert after["knobs"]["scheduling_policy"] == before["knobs"]["scheduling_policy"] == "continuous"

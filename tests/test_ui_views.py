@@ -226,12 +226,12 @@ def test_runs_table_compare_and_reports(filled_store, tmp_path):
     assert latency.data[0].y[0] == pytest.approx(summary.ttft.p50 * 1000, abs=0.1)
     assert len(overlay.data) == 2 and len(overlay.data[0].x) > 0
     for fmt, suffix in (("HTML", ".html"), ("Markdown", ".md"), ("CSV", ".csv")):
-        path = reports.export(url, engine, ["run-a", "run-b"], fmt)
+        path = reports.export(url, ["run-a", "run-b"], fmt)
         assert path.suffix == suffix and path.stat().st_size > 0
         text = path.read_text()
         assert "smoke" in text and "bare" in text
     with pytest.raises(ValueError, match="at least one run"):
-        reports.export(url, engine, [], "CSV")
+        reports.export(url, [], "CSV")
     engine.dispose()
 
 
@@ -241,3 +241,12 @@ def test_charts_label_changes_and_handle_no_data():
     assert charts.change_label(change) == "v4: scheduling_policy continuous→static"
     fig = charts.bar_figure("t", "y", ["a"], {})
     assert any("pick runs" in a.text for a in fig.layout.annotations)
+
+
+def test_idle_stretches_break_the_lines_but_knob_values_hold():
+    from appliance.telemetry.queries import Series, SeriesPoint
+
+    points = [SeriesPoint(t, 1, v, v, v, v) for t, v in ((0.0, 1.0), (1.0, 2.0), (5.0, 3.0))]
+    series = Series("running", 0.0, 10.0, 1.0, "raw", points)
+    assert live_tab._xy(series, "mean") == ([0.5, 1.5, 2.0, 5.5], [1.0, 2.0, None, 3.0])
+    assert live_tab._xy(series, "max", 10, gaps=False) == ([0.5, 1.5, 5.5], [10.0, 20.0, 30.0])

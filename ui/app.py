@@ -48,7 +48,7 @@ def build_dashboard(
     api = ApplianceAPI(base_url, api_key)
     ctx = DashboardContext(api=api, db_url=db_url, configs_dir=configs_dir, require_login=bool(api_key))
     db = make_engine(db_url)
-    tests = LoadTests(api, db_url, generator_factory(base_url, api_key))
+    tests = LoadTests(db_url, generator_factory(base_url, api_key))
     knobs, live, chat = KnobsPanel(ctx), LiveTab(ctx, db), ChatTab(ctx)
     loadtest, runs_tab = LoadTestTab(ctx, tests), RunsTab(ctx, db)
 

@@ -67,7 +67,7 @@ def mark_knob_changes(fig: go.Figure, changes: Iterable[dict[str, Any]]) -> go.F
     return fig
 
 
-def line(fig: go.Figure, times: Sequence[float], values: Sequence[float], name: str, color: str,
+def line(fig: go.Figure, times: Sequence[float], values: Sequence[float | None], name: str, color: str,
          *, dash: str | None = None, shape: str = "linear", fill: str | None = None,
          width: float = 2, stackgroup: str | None = None,
          markers: bool = False) -> None:

@@ -93,12 +93,20 @@ def fetch(db: Any, window: Window, choice: str) -> LiveData:
     return LiveData(window, series, latency["ttft"], latency["itl"], changes)
 
 
-def _mid(s: Series) -> list[float]:
-    return [p.t + s.bucket_s / 2 for p in s.points]
-
-
-def _stat(s: Series, name: str, scale: float = 1.0) -> list[float]:
-    return [getattr(p, name) * scale for p in s.points]
+def _xy(s: Series, stat: str, scale: float = 1.0, gaps: bool = True) -> tuple[list[float], list[float | None]]:
+    """Bucket midpoints and `stat` x `scale`. With `gaps`, a stretch without iterations (an idle
+    engine) breaks the line instead of being bridged; knob values (gaps=False) hold across it."""
+    xs: list[float] = []
+    ys: list[float | None] = []
+    previous = None
+    for p in s.points:
+        if gaps and previous is not None and p.t - previous > 1.5 * s.bucket_s:
+            xs.append(previous + s.bucket_s)
+            ys.append(None)
+        xs.append(p.t + s.bucket_s / 2)
+        ys.append(getattr(p, stat) * scale)
+        previous = p.t
+    return xs, ys
 
 
 def build_figures(data: LiveData) -> list[go.Figure]:
@@ -110,44 +118,35 @@ def build_figures(data: LiveData) -> list[go.Figure]:
         return charts.time_figure(f"{title} — {w.label}", ytitle, w.since, w.until)
 
     fig = new("Running vs max_num_seqs", "sequences")
-    charts.line(fig, _mid(s["running"]), _stat(s["running"], "mean"), "running (mean)", charts.COLORS[0])
-    charts.line(fig, _mid(s["running"]), _stat(s["running"], "max"), "running (max)", charts.COLORS[0],
-                dash="dot", width=1)
-    charts.line(fig, _mid(s["max_num_seqs"]), _stat(s["max_num_seqs"], "max"), "max_num_seqs",
-                charts.COLORS[1], shape="hv")
+    charts.line(fig, *_xy(s["running"], "mean"), "running (mean)", charts.COLORS[0])
+    charts.line(fig, *_xy(s["running"], "max"), "running (max)", charts.COLORS[0], dash="dot", width=1)
+    charts.line(fig, *_xy(s["max_num_seqs"], "max", gaps=False), "max_num_seqs", charts.COLORS[1], shape="hv")
     figs.append(fig)
 
     fig = new("Waiting queue depth", "requests")
-    charts.line(fig, _mid(s["waiting"]), _stat(s["waiting"], "mean"), "waiting (mean)", charts.COLORS[4],
-                fill="tozeroy")
-    charts.line(fig, _mid(s["waiting"]), _stat(s["waiting"], "max"), "waiting (max)", charts.COLORS[4],
-                dash="dot", width=1)
+    charts.line(fig, *_xy(s["waiting"], "mean"), "waiting (mean)", charts.COLORS[4], fill="tozeroy")
+    charts.line(fig, *_xy(s["waiting"], "max"), "waiting (max)", charts.COLORS[4], dash="dot", width=1)
     figs.append(fig)
 
     figs.append(_kv_figure(data))
 
     fig = new("Tokens per iteration vs token budget", "tokens / iteration")
-    charts.line(fig, _mid(s["decode_tokens"]), _stat(s["decode_tokens"], "mean"), "decode",
-                charts.COLORS[2], stackgroup="work")
-    charts.line(fig, _mid(s["prefill_tokens"]), _stat(s["prefill_tokens"], "mean"), "prefill",
-                charts.COLORS[3], stackgroup="work")
+    charts.line(fig, *_xy(s["decode_tokens"], "mean"), "decode", charts.COLORS[2], stackgroup="work")
+    charts.line(fig, *_xy(s["prefill_tokens"], "mean"), "prefill", charts.COLORS[3], stackgroup="work")
     if any(p.max > 0 for p in s["padding_tokens"].points):
-        charts.line(fig, _mid(s["padding_tokens"]), _stat(s["padding_tokens"], "mean"), "padding (static)",
-                    "#9ca3af", stackgroup="work")
-    charts.line(fig, _mid(s["token_budget"]), _stat(s["token_budget"], "max"),
-                "max_num_batched_tokens", charts.COLORS[1], shape="hv")
+        charts.line(fig, *_xy(s["padding_tokens"], "mean"), "padding (static)", "#9ca3af", stackgroup="work")
+    charts.line(fig, *_xy(s["token_budget"], "max", gaps=False), "max_num_batched_tokens", charts.COLORS[1],
+                shape="hv")
     figs.append(fig)
 
     fig = new("Step time", "ms")
-    charts.line(fig, _mid(s["duration_s"]), _stat(s["duration_s"], "mean", 1000), "mean", charts.COLORS[5])
-    charts.line(fig, _mid(s["duration_s"]), _stat(s["duration_s"], "max", 1000), "max", charts.COLORS[5],
-                dash="dot", width=1)
+    charts.line(fig, *_xy(s["duration_s"], "mean", 1000), "mean", charts.COLORS[5])
+    charts.line(fig, *_xy(s["duration_s"], "max", 1000), "max", charts.COLORS[5], dash="dot", width=1)
     figs.append(fig)
 
     fig = new("Output tokens/s", "tokens/s")
     dec = s["decode_tokens"]
-    charts.line(fig, _mid(dec), [p.sum / dec.bucket_s for p in dec.points], "output tokens/s",
-                charts.COLORS[2], fill="tozeroy")
+    charts.line(fig, *_xy(dec, "sum", 1 / dec.bucket_s), "output tokens/s", charts.COLORS[2], fill="tozeroy")
     figs.append(fig)
 
     for title, points in (("TTFT percentiles", data.ttft), ("Inter-token latency percentiles", data.itl)):
@@ -176,11 +175,11 @@ def _kv_figure(data: LiveData) -> go.Figure:
     fig = make_subplots(specs=[[{"secondary_y": True}]])
     fig.update_layout(charts.layout(f"KV block usage — {w.label}", xaxis={
         "range": [charts.when(w.since), charts.when(w.until)], "type": "date"}))
-    times = [charts.when(t) for t in _mid(used)]
-    pct = [p.mean / blocks * 100 if blocks else 0.0 for p in used.points]
+    times, pct = _xy(used, "mean", 100 / blocks if blocks else 0.0)
+    times = [charts.when(t) for t in times]
     fig.add_trace(go.Scatter(x=times, y=pct, name="used % (mean)", mode="lines", fill="tozeroy",
                              line=dict(color=charts.COLORS[3], width=2)), secondary_y=False)
-    fig.add_trace(go.Scatter(x=times, y=_stat(used, "max"), name="blocks used (max)", mode="lines",
+    fig.add_trace(go.Scatter(x=times, y=_xy(used, "max")[1], name="blocks used (max)", mode="lines",
                              line=dict(color=charts.COLORS[3], width=1, dash="dot")), secondary_y=True)
     fig.update_yaxes(title_text="% of KV blocks", range=[0, 100], secondary_y=False)
     fig.update_yaxes(title_text=f"blocks (of {int(blocks)})", range=[0, blocks or 1], secondary_y=True,

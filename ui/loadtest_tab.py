@@ -1,10 +1,10 @@
 """Load-test tab: run a workload against the server with appliance.bench, watch it, cancel it.
 
-A job runs in a background thread with its own event loop (the bench runner stores each run in
-the telemetry store; requests go out with appliance_source "loadtest"). One job at a time: the
-appliance has one engine, and an A/B job switches its policy. "A/B" runs the same workload under
-continuous then static batching (PATCH /admin/knobs before each leg) and restores the policy
-that was in force before.
+A job runs in a background thread with its own event loop; the bench runner stores each run in
+the telemetry store and its requests go out with appliance_source "loadtest". One job at a time
+(the appliance has one engine, and an A/B job switches its policy). "A/B" is appliance.bench.ab:
+the same workload under continuous then static batching (PATCH /admin/knobs before each run),
+then the policy that was in force is restored.
 """
 
 from __future__ import annotations
@@ -20,18 +20,18 @@ from typing import Any, Callable, Iterator
 import gradio as gr
 import plotly.graph_objects as go
 
+from appliance.bench.ab import POLICIES as AB_POLICIES
+from appliance.bench.ab import ABResult, format_ab, run_ab
 from appliance.bench.cli import build_workload
 from appliance.bench.loadgen import BenchError, LoadGenerator, Progress
 from appliance.bench.runner import BenchmarkRun, run_benchmark
 from appliance.bench.workloads import BenchRequest
 from ui import charts
-from ui.api_client import ApiError, ApplianceAPI
 from ui.context import DashboardContext
 
 WORKLOAD_CHOICES = [("skewed", "skewed"), ("sharegpt", "sharegpt"),
                     ("long-prompt-burst", "long-prompt-burst"), ("custom JSONL upload", "jsonl")]
 ARRIVALS = ("all at once", "Poisson rate", "fixed concurrency")
-AB_POLICIES = ("continuous", "static")
 POLL_S = 0.5
 RESULT_HEADERS = ["leg", "status", "completed", "failed", "output tok/s", "req/s", "TTFT p50 ms",
                   "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "E2E p99 s", "run id"]
@@ -83,13 +83,11 @@ def build_spec(workload: str, num_requests: Any, arrival: str, rate: Any, concur
 
 @dataclass
 class Leg:
-    """One run of a job (an A/B job has two)."""
+    """One run of a job (an A/B job has two: continuous, then static)."""
 
     label: str
-    policy: str | None  # set before the leg runs (A/B), None to leave the knobs alone
     progress: Progress | None = None
     run: BenchmarkRun | None = None
-    error: str | None = None
     started: bool = False
 
 
@@ -98,23 +96,30 @@ class Job:
     legs: list[Leg]
     done: threading.Event = field(default_factory=threading.Event)
     cancelled: bool = False
-    note: str | None = None  # e.g. the policy could not be restored
-    generator: LoadGenerator | None = None
+    error: str | None = None
+    ab: ABResult | None = None
+    generator: LoadGenerator | None = None  # the one sending now (cancel stops it)
+
+    @property
+    def is_ab(self) -> bool:
+        return len(self.legs) > 1
 
 
 class LoadTests:
-    """Runs at most one job at a time in a background thread."""
+    """Runs at most one job at a time in a background thread with its own event loop.
 
-    def __init__(self, api: ApplianceAPI, db_url: str, make_generator: Callable[..., LoadGenerator]):
-        self.api = api
+    A single run goes through appliance.bench.runner; an A/B job through appliance.bench.ab,
+    which switches the policy with PATCH /admin/knobs and restores it afterwards.
+    """
+
+    def __init__(self, db_url: str, make_generator: Callable[..., LoadGenerator]):
         self.db_url = db_url
         self.make_generator = make_generator
         self._lock = threading.Lock()
         self.current: Job | None = None
 
     def start(self, spec: LoadSpec, ab: bool) -> Job:
-        legs = ([Leg(f"{p}", p) for p in AB_POLICIES] if ab else [Leg("run", None)])
-        job = Job(legs)
+        job = Job([Leg(p) for p in AB_POLICIES] if ab else [Leg("run")])
         with self._lock:
             if self.current is not None and not self.current.done.is_set():
                 raise gr.Error("a load test is already running; cancel it or wait for it to finish")
@@ -132,47 +137,33 @@ class LoadTests:
             job.generator.cancel()
         return True
 
+    def _next_generator(self, job: Job, spec: LoadSpec) -> LoadGenerator:
+        """A fresh generator for the job's next leg, reporting into that leg."""
+        leg = next(leg for leg in job.legs if not leg.started)
+        generator = self.make_generator(spec, lambda p: setattr(leg, "progress", p))
+        job.generator = generator
+        leg.started = True
+        if job.cancelled:
+            generator.cancel()
+        return generator
+
     def _run(self, job: Job, spec: LoadSpec) -> None:
-        restore: str | None = None
         try:
-            if any(leg.policy for leg in job.legs):
-                restore = self.api.knobs()["knobs"]["scheduling_policy"]
-            for leg in job.legs:
-                if job.cancelled:
-                    break
-                self._run_leg(job, leg, spec)
-        except ApiError as exc:
-            job.legs[0].error = job.legs[0].error or exc.message
-        finally:
-            if restore is not None:
-                try:
-                    self._set_policy(restore)
-                except ApiError as exc:
-                    job.note = f"could not restore scheduling_policy={restore}: {exc.message}"
-            job.done.set()
-
-    def _set_policy(self, policy: str) -> None:
-        if self.api.knobs()["knobs"].get("scheduling_policy") != policy:
-            self.api.patch_knobs({"scheduling_policy": policy})
-
-    def _run_leg(self, job: Job, leg: Leg, spec: LoadSpec) -> None:
-        try:
-            if leg.policy:
-                self._set_policy(leg.policy)
-            generator = self.make_generator(spec, lambda p: setattr(leg, "progress", p))
-            job.generator = generator
-            if job.cancelled:
-                generator.cancel()
-            name = spec.name
-            if leg.policy:
-                name = f"{name or spec.workload} [A/B {leg.policy}]"
-            leg.started = True
-            leg.run = asyncio.run(run_benchmark(generator, workload=spec.workload, name=name,
-                                                db_url=self.db_url))
-        except (ApiError, BenchError) as exc:
-            leg.error = getattr(exc, "message", None) or str(exc)
+            if job.is_ab:
+                job.ab = asyncio.run(run_ab(lambda: self._next_generator(job, spec), workload=spec.workload,
+                                            name=spec.name, db_url=self.db_url))
+                for leg in job.legs:
+                    leg.run = job.ab.runs.get(leg.label)
+            else:
+                generator = self._next_generator(job, spec)
+                job.legs[0].run = asyncio.run(run_benchmark(generator, workload=spec.workload,
+                                                            name=spec.name, db_url=self.db_url))
+        except BenchError as exc:
+            job.error = str(exc)
         except Exception as exc:  # shown to the operator; the job must always end
-            leg.error = f"{type(exc).__name__}: {exc}"
+            job.error = f"{type(exc).__name__}: {exc}"
+        finally:
+            job.done.set()
 
 
 def generator_factory(base_url: str, api_key: str | None) -> Callable[..., LoadGenerator]:
@@ -188,34 +179,33 @@ def generator_factory(base_url: str, api_key: str | None) -> Callable[..., LoadG
 
 
 def leg_state(leg: Leg, job: Job) -> str:
-    if leg.error:
-        return "failed"
     if leg.run is not None:
         return leg.run.status
-    if leg.started and not job.done.is_set():
-        return "running"
-    return "cancelled" if job.cancelled else ("waiting" if not job.done.is_set() else "not run")
+    if not job.done.is_set():
+        return "running" if leg.started else "waiting"
+    if job.error and leg.started:
+        return "failed"
+    return "cancelled" if job.cancelled and leg.started else "not run"
 
 
 def progress_html(job: Job) -> str:
     """One progress bar per leg, with the job state in data-state for scripts and tests."""
-    state = "running" if not job.done.is_set() else ("cancelled" if job.cancelled else "finished")
+    state = "running" if not job.done.is_set() else (
+        "cancelled" if job.cancelled else "failed" if job.error else "finished")
     parts = [f'<div id="loadtest-state" data-state="{state}">']
     for leg in job.legs:
         p = leg.progress
         done, total = (p.done, p.total) if p else (0, 0)
         text = (f"{done}/{total} done, {p.ok} ok, {p.failed} failed, {p.in_flight} in flight, "
                 f"{p.elapsed_s:.1f} s, {p.output_throughput:.1f} output tok/s") if p else "not started"
-        if leg.error:
-            text = f"error: {leg.error}"
         parts.append(
             f'<div class="leg" data-leg="{html.escape(leg.label)}" data-leg-state="{leg_state(leg, job)}">'
             f"<b>{html.escape(leg.label)}</b> [{leg_state(leg, job)}] "
             f'<progress value="{done}" max="{max(total, 1)}" style="width:50%"></progress> '
             f"{html.escape(text)}</div>"
         )
-    if job.note:
-        parts.append(f"<div><b>Warning:</b> {html.escape(job.note)}</div>")
+    if job.error:
+        parts.append(f"<div><b>Error:</b> {html.escape(job.error)}</div>")
     parts.append("</div>")
     return "".join(parts)
 
@@ -245,7 +235,7 @@ def result_figure(job: Job) -> go.Figure:
             s = leg.run.load.summary
             throughput[leg.label] = round(s.output_throughput, 1)
             latency[leg.label] = [_ms(s.ttft.p50), _ms(s.ttft.p99), _ms(s.itl.p50), _ms(s.itl.p99)]
-    title = "A/B: continuous vs static" if len(job.legs) > 1 else "Load test result"
+    title = "A/B: continuous vs static" if job.is_ab else "Load test result"
     return charts.side_by_side_figure(title, throughput, latency, labels)
 
 
@@ -320,9 +310,12 @@ class LoadTestTab:
         label = "A/B job" if ab else "Load test"
         while not job.done.wait(POLL_S):
             yield [f"{label} running: {spec.workload}", progress_html(job), result_rows(job), gr.update()]
-        errors = [f"{leg.label}: {leg.error}" for leg in job.legs if leg.error]
-        end = "cancelled" if job.cancelled else "finished"
-        message = f"{label} {end}: {spec.workload}" + ("".join(f"\n\n**Error:** {e}" for e in errors))
+        end = "cancelled" if job.cancelled else "failed" if job.error else "finished"
+        message = f"{label} {end}: {spec.workload}"
+        if job.error:
+            message += f"\n\n**Error:** {job.error}"
+        if job.ab is not None:
+            message += f"\n\n```\n{format_ab(job.ab)}\n```"
         yield [message, progress_html(job), result_rows(job), result_figure(job)]
 
     def on_cancel(self, request: gr.Request) -> str:

@@ -98,7 +98,7 @@ class RunsTab:
     def export(self, run_ids: list[str], fmt: str, request: gr.Request) -> list[Any]:
         self.ctx.check(request)
         try:
-            path = reports.export(self.ctx.db_url, self.db, list(run_ids or []), fmt)
+            path = reports.export(self.ctx.db_url, list(run_ids or []), fmt)
         except (ValueError, LookupError) as exc:
             return [f"**Error:** {exc}", None]
         return [f"Report written: {path.name} ({len(run_ids)} runs).", str(path)]

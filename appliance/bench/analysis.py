@@ -42,7 +42,7 @@ def ms(seconds: float | None) -> str:
 
 
 def pct(share: float | None) -> str:
-    return "-" if share is None else f"{share * 100:.0f} %"
+    return "-" if share is None else f"{share * 100:.0f}%"
 
 
 def findings(data: RunData) -> list[Finding]:

@@ -188,8 +188,8 @@ def _html_comparison(page: h.Page, data: Sequence[RunData], comparison: Comparis
     if comparison.knob_diff:
         page.add("<p>Settings that differ:</p>" + h.table(*tables.knob_diff_table(comparison)))
     names = comparison.names
-    throughput = h.bar_figure("Throughput", "per second", ["output tok/s", "requests/s x 100"], [
-        (name, [run.summary.get("output_throughput"), (run.summary.get("request_throughput") or 0) * 100])
+    throughput = h.bar_figure("Throughput", "tok/s", ["output", "total (input + output)"], [
+        (name, [run.summary.get("output_throughput"), run.summary.get("total_token_throughput")])
         for name, run in zip(names, data)])
     categories = ["TTFT P50", "TTFT P99", "TPOT P50", "ITL P99", "E2E P50", "E2E P99"]
     keys = [("ttft", "p50"), ("ttft", "p99"), ("tpot", "p50"), ("itl", "p99"), ("e2e", "p50"), ("e2e", "p99")]

@@ -11,7 +11,7 @@ from dataclasses import asdict
 from typing import Any
 
 from appliance.bench.analysis import Comparison, ms, pct
-from appliance.bench.report_data import LATENCIES, RunData
+from appliance.bench.report_data import BUDGET_FULL, KV_PINNED, LATENCIES, RunData
 from appliance.bench.runner import describe_arrival
 
 Table = tuple[list[str], list[list[str]]]
@@ -122,10 +122,10 @@ def iterations_table(data: RunData) -> Table:
         ["Padding share of computed rows", pct(t.padding_share)],
         ["Preemptions", str(t.preemptions)],
         ["Mean token budget use", pct(t.budget_use_mean)],
-        ["Iterations filling >= 90 % of the budget", pct(t.budget_full_share)],
+        [f"Iterations filling >= {BUDGET_FULL:.0%} of the budget", pct(t.budget_full_share)],
         ["Iterations with requests waiting", pct(t.waiting_share)],
         ["KV cache peak", pct(t.kv_use_max)],
-        ["Iterations with KV >= 95 %", pct(t.kv_pinned_share)],
+        [f"Iterations with KV >= {KV_PINNED:.0%}", pct(t.kv_pinned_share)],
         ["Max running", str(t.running_max)],
         ["Max waiting", str(t.waiting_max)],
     ]
@@ -136,6 +136,8 @@ def comparison_table(comparison: Comparison) -> Table:
     headers = ["Metric", *comparison.names, "Winner", "Margin"]
     rows = []
     for m in comparison.metrics:
+        if all(v is None for v in m.values):
+            continue
         cells = [ms(v) if m.unit == "ms" else (f"{v:.2f} {m.unit}" if v is not None else "-")
                  for v in m.values]
         if m.winner is None:

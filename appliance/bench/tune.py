@@ -26,7 +26,6 @@ from appliance.bench.loadgen import BenchError, LoadGenerator, fetch_knobs
 from appliance.bench.metrics import SLO
 from appliance.bench.runner import run_benchmark
 from appliance.bench.workloads import BenchRequest
-from appliance.engine.knobs import validate_knobs
 
 TUNED = ("max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold")
 SHORT = {"max_num_seqs": "seqs", "max_num_batched_tokens": "budget", "long_prefill_token_threshold": "chunk"}
@@ -147,6 +146,9 @@ def refine_points(grid: Grid, best: dict[str, int]) -> list[dict[str, int]]:
 
 def invalid_reason(current: dict[str, Any], point: dict[str, int]) -> str | None:
     """Why `point` cannot be set on a server whose knobs are `current` (None when it can)."""
+    # imported here: the package `appliance.engine` loads torch, which the CLI's parser must not wait for
+    from appliance.engine.knobs import validate_knobs
+
     errors = validate_knobs({**current, **point}, only=set(point))
     return "; ".join(f"{k}: {v}" for k, v in errors.items()) if errors else None
 

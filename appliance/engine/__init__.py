@@ -1,14 +1,24 @@
-"""The inference engine: continuous batching over a paged KV cache with chunked prefill."""
+"""The inference engine: continuous batching over a paged KV cache with chunked prefill.
 
-from .async_engine import AsyncEngine, EngineDeadError, EngineDrainingError, QueueFullError
-from .config import EngineConfig, parse_bytes
-from .engine import LLMEngine, RequestOutput
-from .knobs import KnobError, Knobs
-from .sampling import InvalidRequestError, SamplingParams
-from .stats import IterationStats, KnobChange, RequestStats, StatsSink
+Names are imported lazily, so light users (the telemetry store reads only `stats`) do not pay
+for importing torch and transformers.
+"""
 
-__all__ = [
-    "AsyncEngine", "EngineDeadError", "EngineDrainingError", "QueueFullError",
-    "EngineConfig", "parse_bytes", "LLMEngine", "RequestOutput", "KnobError", "Knobs",
-    "InvalidRequestError", "SamplingParams", "IterationStats", "KnobChange", "RequestStats", "StatsSink",
-]
+from importlib import import_module
+
+_EXPORTS = {
+    "AsyncEngine": "async_engine", "EngineDeadError": "async_engine", "EngineDrainingError": "async_engine",
+    "QueueFullError": "async_engine", "EngineConfig": "config", "parse_bytes": "config",
+    "LLMEngine": "engine", "RequestOutput": "engine", "KnobError": "knobs", "Knobs": "knobs",
+    "InvalidRequestError": "sampling", "SamplingParams": "sampling", "IterationStats": "stats",
+    "KnobChange": "stats", "RequestStats": "stats", "StatsSink": "stats",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(import_module(f".{_EXPORTS[name]}", __name__), name)
+    globals()[name] = value
+    return value

@@ -1,0 +1,200 @@
+"""Skewed-64 through four systems in ONE run, side by side (not a test; prints figures).
+
+1. the appliance engine, continuous policy
+2. the appliance engine, static policy (padded batches, run to the slowest)
+3. transformers `generate`, static padded batches of 8 (left padding, run to the batch's longest)
+4. transformers' own continuous batching (`ContinuousBatchingManager`, sdpa, 64-token pages)
+
+Every request arrives at t=0 and generates exactly its `output_len` tokens (EOS ignored, greedy).
+Output tok/s counts only each request's own forced tokens. Then the engine's efficiency: its
+decode tok/s at a full batch against a bare batched forward of the same model at the same batch
+size and context (transformers DynamicCache, no scheduler).
+
+    python benchmarks/throughput.py [--dtype float32] [--also-bf16] [--skip-peers] [--num-threads N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from appliance.engine import EngineConfig, Knobs, LLMEngine, SamplingParams
+from appliance.model_loader import load_model
+
+WORKLOAD = Path(__file__).resolve().parents[1] / "appliance" / "bench" / "data" / "skewed-64.json"
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100
+    lo, hi = int(rank), min(int(rank) + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (rank - lo)
+
+
+def summarize(name: str, wall: float, tokens: int, e2e: list[float], ttft: list[float]) -> dict:
+    return {"system": name, "wall_s": wall, "tok_s": tokens / wall, "e2e_p50": pct(e2e, 50),
+            "e2e_p99": pct(e2e, 99), "ttft_p50": pct(ttft, 50), "ttft_p99": pct(ttft, 99)}
+
+
+def run_engine(loaded, requests, policy: str, max_num_seqs: int) -> dict:
+    knobs = Knobs(max_num_seqs=max_num_seqs, max_num_batched_tokens=512, long_prefill_token_threshold=256,
+                  max_num_partial_prefills=4, max_long_partial_prefills=1, scheduling_policy=policy)
+    engine = LLMEngine(EngineConfig(dtype=str(loaded.dtype).split(".")[-1], knobs=knobs), loaded=loaded)
+    engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0))  # warm-up
+    t0 = time.time()
+    for i, r in enumerate(requests):
+        engine.add_request(str(i), r["prompt_ids"], SamplingParams(max_tokens=r["output_len"], temperature=0, ignore_eos=True), arrival=t0)
+    tokens, e2e, ttft = 0, [], []
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens += len(out.new_token_ids)
+            if out.finished:
+                e2e.append(out.metrics.finished - t0)
+                ttft.append(out.metrics.first_token - t0)
+    return summarize(f"engine {policy}", time.time() - t0, tokens, e2e, ttft)
+
+
+def run_hf_static(loaded, requests, batch_size: int) -> dict:
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    model, tok = loaded.model, loaded.tokenizer
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    t0 = time.time()
+    tokens, e2e, ttft = 0, [], []
+
+    class FirstCall(LogitsProcessor):
+        def __init__(self):
+            self.at = None
+
+        def __call__(self, input_ids, scores):
+            self.at = self.at or time.time()
+            return scores
+
+    with torch.inference_mode():
+        for start in range(0, len(requests), batch_size):
+            batch = requests[start : start + batch_size]
+            width = max(len(r["prompt_ids"]) for r in batch)
+            ids = torch.tensor([[pad] * (width - len(r["prompt_ids"])) + r["prompt_ids"] for r in batch])
+            mask = torch.tensor([[0] * (width - len(r["prompt_ids"])) + [1] * len(r["prompt_ids"]) for r in batch])
+            longest = max(r["output_len"] for r in batch)
+            first = FirstCall()
+            model.generate(ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest,
+                           do_sample=False, pad_token_id=pad, logits_processor=LogitsProcessorList([first]))
+            done = time.time()
+            for r in batch:
+                tokens += r["output_len"]  # only the request's own tokens count
+                e2e.append(done - t0)
+                ttft.append(first.at - t0)
+    return summarize(f"transformers generate, padded batches of {batch_size}", time.time() - t0, tokens, e2e, ttft)
+
+
+def run_hf_continuous(loaded, requests) -> dict:
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+
+    model = loaded.model
+    gc = GenerationConfig(do_sample=False, max_new_tokens=max(r["output_len"] for r in requests))
+    cbc = ContinuousBatchingConfig(page_size=64, num_blocks=512, max_batch_tokens=512, max_requests_per_batch=64,
+                                   use_cuda_graph=False, use_async_batching=False, auto_switch_to_flash=False,
+                                   allow_block_sharing=False)
+    manager = model.init_continuous_batching(generation_config=gc, continuous_batching_config=cbc)
+    manager.start()
+    try:
+        t0 = time.time()
+        p0 = time.perf_counter()
+        for i, r in enumerate(requests):
+            manager.add_request(r["prompt_ids"], request_id=str(i), max_new_tokens=r["output_len"],
+                                eos_token_id=-1, record_timestamps=True)
+        tokens, e2e, ttft = 0, [], []
+        while len(e2e) < len(requests):
+            res = manager.get_result(timeout=600)
+            if res is None:
+                raise RuntimeError("transformers continuous batching returned no result")
+            tokens += len(res.generated_tokens)
+            e2e.append(res.timestamps[-1] - p0)
+            ttft.append(res.timestamps[0] - p0)
+        return summarize("transformers continuous batching", time.time() - t0, tokens, e2e, ttft)
+    finally:
+        manager.stop(block=True)
+
+
+def efficiency(loaded, batch: int, context: int, steps: int = 12) -> tuple[float, float]:
+    """(engine decode tok/s, bare forward tok/s) at `batch` sequences with `context` tokens each."""
+    engine = LLMEngine(EngineConfig(dtype=str(loaded.dtype).split(".")[-1],
+                                    knobs=Knobs(max_num_seqs=batch, max_num_batched_tokens=max(512, batch),
+                                                long_prefill_token_threshold=512)), loaded=loaded)
+    for i in range(batch):
+        engine.add_request(str(i), [100 + (i + j) % 1000 for j in range(context)],
+                           SamplingParams(max_tokens=steps * 3, temperature=0, ignore_eos=True))
+    while any(s.num_output_tokens == 0 for s in engine.scheduler.running) or engine.num_waiting:
+        engine.step()
+    engine.step()
+    t = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    engine_rate = batch * steps / (time.perf_counter() - t)
+    for i in range(batch):
+        engine.abort(str(i))
+
+    from transformers import DynamicCache
+
+    model = loaded.model
+    impl = model.config._attn_implementation
+    model.config._attn_implementation = "sdpa"
+    try:
+        with torch.inference_mode():
+            ids = torch.randint(100, 1000, (batch, context))
+            cache = DynamicCache(config=model.config)
+            model(ids, cache=cache, use_cache=True, logits_to_keep=1)
+            nxt = torch.randint(100, 1000, (batch, 1))
+            model(nxt, cache=cache, use_cache=True, logits_to_keep=1)
+            t = time.perf_counter()
+            for _ in range(steps):
+                logits = model(nxt, cache=cache, use_cache=True, logits_to_keep=1).logits
+                nxt = logits[:, -1].argmax(-1, keepdim=True)
+            bare_rate = batch * steps / (time.perf_counter() - t)
+    finally:
+        model.config._attn_implementation = impl
+    return engine_rate, bare_rate
+
+
+def report(rows: list[dict]) -> None:
+    base = rows[0]
+    print(f"{'system':44s} {'wall s':>8s} {'tok/s':>8s} {'e2e p50':>8s} {'e2e p99':>8s} {'ttft p50':>8s} {'ttft p99':>8s} {'engine x':>9s}")
+    for r in rows:
+        print(f"{r['system']:44s} {r['wall_s']:8.1f} {r['tok_s']:8.1f} {r['e2e_p50']:8.1f} {r['e2e_p99']:8.1f} "
+              f"{r['ttft_p50']:8.2f} {r['ttft_p99']:8.2f} {base['tok_s'] / r['tok_s']:8.2f}x")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--also-bf16", action="store_true", help="repeat the engine rows and efficiency in bf16")
+    ap.add_argument("--skip-peers", action="store_true", help="engine rows only")
+    ap.add_argument("--num-threads", type=int, default=None)
+    ap.add_argument("--num-requests", type=int, default=64, help="use the first N requests (quick runs)")
+    args = ap.parse_args()
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    requests = json.loads(WORKLOAD.read_text())["requests"][: args.num_requests]
+    print(f"skewed workload: {len(requests)} requests, {sum(r['output_len'] for r in requests)} forced output tokens, "
+          f"{torch.get_num_threads()} threads")
+    for dtype in [args.dtype] + (["bfloat16"] if args.also_bf16 and args.dtype != "bfloat16" else []):
+        loaded = load_model(dtype=dtype, device="cpu")
+        print(f"\n== {dtype} ==")
+        rows = [run_engine(loaded, requests, "continuous", 64), run_engine(loaded, requests, "static", 64)]
+        if not args.skip_peers and dtype == args.dtype:
+            rows.append(run_hf_static(loaded, requests, 8))
+            rows.append(run_hf_continuous(loaded, requests))
+        report(rows)
+        for batch, ctx in ((64, 160), (1, 160)):
+            eng, bare = efficiency(loaded, batch, ctx)
+            print(f"efficiency at batch {batch}, context {ctx}: engine {eng:.1f} tok/s vs bare forward "
+                  f"{bare:.1f} tok/s = {100 * eng / bare:.0f} %")
+
+
+if __name__ == "__main__":
+    main()
