@@ -91,22 +91,19 @@ class Scheduler:
                 break
             if seq.status is not Status.RUNNING:  # preempted as a victim earlier in this loop
                 continue
-            if not self._allocate_or_preempt(seq, out):
-                continue
-            out.scheduled.append(ScheduledSeq(seq, 1, is_prefill=False))
-            budget -= 1
+            if self._reserve(seq, 1, out):
+                out.scheduled.append(ScheduledSeq(seq, 1, is_prefill=False))
+                budget -= 1
 
         for seq in prefills:
             if budget == 0:
                 break
             if seq.status is not Status.RUNNING:
                 continue
-            n = self._fit(seq, min(seq.num_uncomputed, chunk, budget))
-            if n == 0:
-                continue
-            self.block_manager.allocate(seq, n)
-            out.scheduled.append(ScheduledSeq(seq, n, is_prefill=True))
-            budget -= n
+            n = self._reserve(seq, min(seq.num_uncomputed, chunk, budget), out)
+            if n:
+                out.scheduled.append(ScheduledSeq(seq, n, is_prefill=True))
+                budget -= n
 
         if static:
             out.padding_rows = self._static_finished_members
@@ -169,17 +166,19 @@ class Scheduler:
         capacity = (len(seq.block_table) + bm.num_free_blocks) * bm.block_size - seq.num_computed_tokens
         return max(0, min(wanted, capacity))
 
-    def _allocate_or_preempt(self, seq: Sequence, out: SchedulerOutput) -> bool:
-        """Get a block for `seq`'s next token, preempting the newest running sequences if needed.
-
-        Returns False when `seq` itself had to be preempted.
-        """
-        while not self.block_manager.allocate(seq, 1):
+    def _reserve(self, seq: Sequence, wanted: int, out: SchedulerOutput) -> int:
+        """Allocate blocks for up to `wanted` tokens of a running sequence, preempting the newest
+        running sequences while nothing fits. Returns the tokens granted; 0 if `seq` itself was
+        preempted. Each round removes one running sequence, so this always ends."""
+        granted = self._fit(seq, wanted)
+        while granted == 0:
             victim = max(self.running, key=lambda s: s.arrival_order)
             self._preempt(victim, out)
             if victim is seq:
-                return False
-        return True
+                return 0
+            granted = self._fit(seq, wanted)
+        self.block_manager.allocate(seq, granted)
+        return granted
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         for i, item in enumerate(out.scheduled):
