@@ -52,6 +52,7 @@ class LiveServer:
 
     base_url: str
     app: Any
+    db_url: str | None = None  # the telemetry store, when the server writes one
 
     @property
     def state(self):
@@ -112,6 +113,7 @@ def live_server(server_factory, tmp_path_factory) -> Iterator[LiveServer]:
     db_url = f"sqlite:///{tmp_path_factory.mktemp('server-telemetry') / 'telemetry.db'}"
     store.upgrade(db_url)
     with server_factory(num_blocks=256, telemetry=TelemetryWriter(db_url, "test-server")) as server:
+        server.db_url = db_url
         yield server
 
 

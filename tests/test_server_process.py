@@ -4,6 +4,7 @@ upgrade at start, and the SIGTERM drain."""
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 
@@ -35,6 +36,16 @@ def test_bad_settings_exit_2_naming_the_value(capsys, tmp_path, argv, words):
     assert "appliance serve: error:" in err and words in err
 
 
+def test_port_in_use_fails_before_the_model_loads(capsys):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", "--port", str(port), "--no-telemetry", "--no-dashboard"]) == 2
+    err = capsys.readouterr().err
+    assert f"127.0.0.1:{port}" in err and "in use" in err
+
+
 def test_public_host_without_key_is_refused(spawn_server):
     server = spawn_server("--host", "0.0.0.0", "--no-telemetry", ready=False)
     assert server.proc.wait(60) == 2
@@ -44,7 +55,10 @@ def test_public_host_without_key_is_refused(spawn_server):
 
 
 def test_api_key_guards_v1_and_admin(spawn_server, tmp_path):
+    from sqlalchemy import select
+
     from appliance.telemetry import runs, store
+    from appliance.telemetry.models import Request
 
     db_url = f"sqlite:///{tmp_path}/telemetry.db"
     store.upgrade(db_url)
@@ -76,6 +90,14 @@ def test_api_key_guards_v1_and_admin(spawn_server, tmp_path):
     server.terminate()
     assert server.proc.wait(60) == 0
     assert key not in server.log()
+    # the writer was wired to the engine and flushed at shutdown
+    db = store.make_engine(db_url)
+    try:
+        with db.connect() as conn:
+            row = conn.execute(select(Request.__table__).where(Request.request_id == reply.id)).one()
+    finally:
+        db.dispose()
+    assert (row.replica_id, row.source) == ("replica-a", "api")
 
 
 def test_sigterm_drains_then_exits_0(spawn_server, tmp_path):

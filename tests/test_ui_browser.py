@@ -210,3 +210,35 @@ def test_small_load_test_finishes_in_the_runs_table_and_exports_a_report(server,
     page.screenshot(path=str(ARTIFACTS / "ui-live-after-load.png"), full_page=True)
     (ROOT / "docs").mkdir(exist_ok=True)
     shutil.copyfile(ARTIFACTS / "ui-live-after-load.png", ROOT / "docs" / "dashboard.png")
+
+
+def test_with_an_api_key_the_browser_logs_in_and_never_sees_the_key(loaded_model, tmp_path):
+    from playwright.sync_api import sync_playwright
+
+    from conftest import serve_dashboard
+
+    if not CHROMIUM.exists():
+        pytest.skip("Debian chromium is not installed at /usr/bin/chromium")
+    key = "sk-browser-secret"
+    with serve_dashboard(loaded_model, f"sqlite:///{tmp_path / 'auth.db'}", api_key=key, num_blocks=64) as srv, \
+            sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=ARGS)
+        page = browser.new_page(viewport={"width": 1400, "height": 900})
+        page.goto(srv.ui_url)
+        page.locator("input[type='password']").wait_for(timeout=30_000)
+        assert page.locator("#chart-running").count() == 0  # nothing before the login
+        page.locator("input[type='text']").first.fill("operator")
+        page.locator("input[type='password']").fill("wrong")
+        page.get_by_role("button", name="Login").click()
+        page.wait_for_timeout(1000)
+        assert page.locator("#chart-running").count() == 0
+        page.locator("input[type='password']").fill(key)
+        page.get_by_role("button", name="Login").click()
+        page.wait_for_selector("#chart-running .main-svg", timeout=60_000)
+        page.wait_for_function("() => document.querySelector('#knob-effective')?.textContent.includes('In force')",
+                               timeout=30_000)  # the dashboard reached /admin with the key, server-side
+        assert key not in page.content()
+        config = page.request.get(f"{srv.ui_url}config")  # what the logged-in page is built from
+        assert config.ok and key not in config.text()
+        page.screenshot(path=str(ARTIFACTS / "ui-login.png"))
+        browser.close()

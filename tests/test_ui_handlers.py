@@ -321,3 +321,22 @@ def test_with_an_api_key_the_dashboard_needs_a_login_and_keeps_the_key(loaded_mo
             assert browser.post("/ui/login", data={"username": "op", "password": key}).status_code == 200
             assert key not in browser.get("/ui/config").text
             assert key not in browser.get("/ui/").text
+
+
+def test_handlers_refuse_sessions_without_a_login_even_when_mounted_without_auth(server):
+    import gradio as gr
+    from gradio_client.exceptions import AppError
+    from starlette.applications import Starlette
+
+    from conftest import run_app
+    from ui.app import build_dashboard
+
+    app = Starlette()
+    gr.mount_gradio_app(app, build_dashboard(server.base_url, server.db_url, api_key="sk-x"), path="/ui")
+    with run_app(app) as url:
+        anonymous = Client(f"{url}/ui/", verbose=False)
+        for api_name, args in (("/knobs_reload", ()), ("/knobs_apply", (8, 512, 256, 1, 1, "static")),
+                               ("/live_refresh", ("1m", False))):
+            with pytest.raises(AppError, match="log in"):
+                anonymous.predict(*args, api_name=api_name)
+    assert knobs(server)["knobs"]["scheduling_policy"] == "continuous"

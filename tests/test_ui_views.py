@@ -250,3 +250,14 @@ def test_idle_stretches_break_the_lines_but_knob_values_hold():
     series = Series("running", 0.0, 10.0, 1.0, "raw", points)
     assert live_tab._xy(series, "mean") == ([0.5, 1.5, 2.0, 5.5], [1.0, 2.0, None, 3.0])
     assert live_tab._xy(series, "max", 10, gaps=False) == ([0.5, 1.5, 5.5], [10.0, 20.0, 30.0])
+
+
+def test_the_dashboard_never_imports_the_engine_or_the_server():
+    import subprocess
+    import sys
+
+    code = ("import sys, ui.app, ui.loadtest_tab; "
+            "print(sorted(m for m in sys.modules if m.startswith(('appliance.engine', 'appliance.server'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert out.stdout.strip() == "[]"

@@ -5,7 +5,9 @@ API (at `base_url`, the server's own loopback URL) and reads telemetry only thro
 appliance.telemetry.queries / runs. With an API key the dashboard requires a login (any user
 name, the key as password) and calls the API with the key on the server side only.
 
-    blocks = build_dashboard(base_url, db_url, api_key)
+    mount_dashboard(app, base_url, db_url, api_key, configs_dir)   # what the server calls
+    # which is:
+    blocks = build_dashboard(base_url, db_url, api_key, configs_dir)
     gr.mount_gradio_app(app, blocks, path="/ui", auth=dashboard_auth(api_key))
 """
 
@@ -81,7 +83,7 @@ def build_dashboard(
         def on_load(request: gr.Request) -> list:
             return [*knobs.on_reload(request), *runs_tab.refresh(request), live.choices()]
 
-        blocks.load(on_load, None, [*knobs.load_outputs, *runs_tab.refresh_outputs, live.window],
+        blocks.load(on_load, None, [*knobs.outputs, *runs_tab.refresh_outputs, live.window],
                     api_name="dashboard_load")
     return blocks
 

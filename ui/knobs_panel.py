@@ -146,14 +146,15 @@ class KnobsPanel:
             self.effective = gr.Markdown("", elem_id="knob-effective")
             self.fixed = gr.Markdown("", elem_id="knob-fixed")
         inputs = [*self.sliders, self.policy]
-        outputs = [self.status, self.effective, self.fixed, *self.sliders, self.policy]
+        outputs = self.outputs
         self.apply.click(self.on_apply, inputs, outputs, api_name="knobs_apply")
         self.reload.click(self.on_reload, None, outputs, api_name="knobs_reload")
         for name, button in self.preset_buttons.items():
             button.click(self._preset_handler(name), None, outputs, api_name=f"knobs_preset_{name}")
 
     @property
-    def load_outputs(self) -> list[gr.components.Component]:
+    def outputs(self) -> list[gr.components.Component]:
+        """What every handler here returns: status, knobs in force, fixed settings, the form."""
         return [self.status, self.effective, self.fixed, *self.sliders, self.policy]
 
     # ------------------------------------------------------------------------------- handlers
@@ -175,12 +176,17 @@ class KnobsPanel:
         rest = self._form(payload) if form else [gr.update()] * (len(SLIDERS) + 1)
         return [status, effective_markdown(payload), fixed_markdown(payload), *rest]
 
+    @staticmethod
+    def _failed(error: ApiError) -> list[Any]:
+        """The server could not be asked: say so, leave the rest as it is."""
+        return [f"**Error:** {error.message}", *[gr.update()] * (len(SLIDERS) + 3)]
+
     def on_reload(self, request: gr.Request) -> list[Any]:
         self.ctx.check(request)
         try:
             return self._view("", self.ctx.api.knobs())
         except ApiError as exc:
-            return [f"**Error:** {exc.message}", "", "", *[gr.update()] * (len(SLIDERS) + 1)]
+            return self._failed(exc)
 
     def on_apply(self, max_num_seqs: float, max_num_batched_tokens: float,
                  long_prefill_token_threshold: float, max_num_partial_prefills: float,
@@ -199,7 +205,6 @@ class KnobsPanel:
             self.ctx.check(request)
             return self.send(dict(self.presets[name]), label=f"preset {name}")
 
-        on_preset.__name__ = f"on_preset_{name}"
         return on_preset
 
     def send(self, wanted: dict[str, Any], label: str = "") -> list[Any]:
@@ -208,7 +213,7 @@ class KnobsPanel:
         try:
             before = self.ctx.api.knobs()
         except ApiError as exc:
-            return [f"**Error:** {exc.message}", "", "", *[gr.update()] * (len(SLIDERS) + 1)]
+            return self._failed(exc)
         changes = diff_knobs(before.get("knobs", {}), wanted)
         if not changes:
             return self._view(f"{prefix}nothing to apply: these values are already in force", before)

@@ -110,10 +110,10 @@ def _iteration_figures(
     totals: dict[str, IterationTotals | None] = {policy: None for policy in runs}
     if db_url is None:
         return totals, "no telemetry store given: padding figures need --db (the server's store)"
-    missing = []
+    missing: list[str] = []
     for policy, run in runs.items():
         load = run.load
-        if run.storage_error or load.replica_id is None:
+        if missing or run.storage_error or load.replica_id is None:  # one run's rows missing: all are
             missing.append(policy)
             continue
         if not wait_for_server_rows(db_url, run.run_id, load.summary.sent, timeout_s):

@@ -156,7 +156,10 @@ class RunStore:
         from appliance.telemetry import runs, store
 
         try:
-            self.engine = store.make_engine(self.db_url)
+            # Each write here reads the run row first; on SQLite a deferred transaction could
+            # not then take the write lock once the server's writer committed in between
+            # (SQLITE_BUSY without waiting), so take it at BEGIN and let the busy timeout wait.
+            self.engine = store.make_engine(self.db_url).execution_options(sqlite_begin="IMMEDIATE")
             store.upgrade(self.engine)
             runs.create_run(self.engine, name, workload, arrival, start.knobs or {},
                             start.replica_id or EXTERNAL_REPLICA, run_id=run_id,

@@ -34,7 +34,8 @@ def summary_lines(result: SweepResult) -> list[str]:
         lines.append("No point met the SLO; nothing is recommended.")
         if result.best_goodput is not None:
             best = result.points[result.best_goodput]
-            lines.append(f"Closest: {best.label} ({(best.attainment or 0):.0%} within the SLO).")
+            lines.append(f"Most goodput, though short of the SLO: {best.label} ({best.goodput or 0:.2f} req/s, "
+                         f"{(best.attainment or 0):.0%} within the SLO).")
     if result.applied:
         lines.append("Applied on the server: " + ", ".join(f"{k}={v}" for k, v in result.applied.items()) + ".")
     else:
@@ -55,6 +56,7 @@ def _rows(result: SweepResult) -> list[list[str]]:
                      cell(p.output_throughput), cell(p.request_throughput), cell(p.ttft_p99, 1000),
                      cell(p.itl_p99, 1000), cell(p.goodput),
                      "-" if p.attainment is None else f"{p.attainment:.0%}",
+                     "-" if p.status != "ok" else
                      ("yes" if p.meets_slo else "no") + (" (recommended)" if i == result.recommended else ""),
                      ", ".join(fronts) or "-", p.run_id or "-"])
     return rows

@@ -218,6 +218,8 @@ class AsyncEngine:
             engine.abort(cmd[1])
         elif cmd[0] == "knobs":
             _, changes, source, future = cmd
+            if not future.set_running_or_notify_cancel():
+                return  # the caller gave up before the boundary: apply nothing
             try:
                 future.set_result(engine.update_knobs(changes, source))
             except KnobError as exc:

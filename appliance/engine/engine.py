@@ -207,14 +207,13 @@ class LLMEngine:
         if sched.is_empty:
             return outputs
         try:
-            result = self.runner.execute(sched)
-        except Exception as exc:  # the model failed: end this batch's requests, keep serving
+            outputs.extend(self._postprocess(sched, self.runner.execute(sched)))
+        except Exception as exc:  # the model or sampler failed: end this batch's requests, keep serving
             log.exception("iteration %d failed; ending its %d requests with an error", self.iteration, len(sched.scheduled))
-            for item in sched.scheduled:
-                self._finish(item.seq, "error", error=f"internal error in the model: {type(exc).__name__}")
+            for item in sched.scheduled:  # each gets exactly one final output
+                if not item.seq.is_finished:
+                    self._finish(item.seq, "error", error=f"internal error in the model: {type(exc).__name__}")
                 outputs.append(self._output(item.seq, [], ""))
-        else:
-            outputs.extend(self._postprocess(sched, result))
         self._publish(sched, started, time.perf_counter() - t0, sum(o.finished for o in outputs))
         return outputs
 

@@ -80,7 +80,9 @@ async def metrics(request: Request) -> Response:
     return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
-def build_app(aeng: AsyncEngine, config: ServerConfig | None = None, telemetry: TelemetrySink | None = None) -> Starlette:
+def build_app(
+    aeng: AsyncEngine, config: ServerConfig | None = None, telemetry: TelemetrySink | None = None
+) -> Starlette:
     """The server app around an AsyncEngine (not yet started; the lifespan starts it). The
     dashboard is mounted at /ui when `config.self_url` (this server's own URL) is set."""
     state = AppState(aeng, config or ServerConfig(), telemetry)

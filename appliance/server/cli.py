@@ -19,9 +19,12 @@ import os
 import signal
 import socket
 import threading
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import uvicorn
+
+if TYPE_CHECKING:
+    from .state import AppState
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +42,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="allow a non-loopback --host without --api-key")
     parser.add_argument("--max-waiting", type=int, default=None, help="waiting-queue bound; beyond it 429")
     parser.add_argument("--max-body-bytes", default=None, help="request body limit, e.g. 1MiB (default)")
-    parser.add_argument("--db", default=None, help="telemetry store, any SQLAlchemy URL (default sqlite:///appliance.db)")
+    parser.add_argument("--db", default=None,
+                        help="telemetry store, any SQLAlchemy URL (default sqlite:///appliance.db)")
     parser.add_argument("--no-telemetry", action="store_true", help="do not write telemetry")
     parser.add_argument("--replica-id", default=None, help="name of this server in a shared store (default host:port)")
     parser.add_argument("--drain-grace-s", type=float, default=None,
@@ -124,6 +128,17 @@ def server_options(settings: dict[str, Any], args: argparse.Namespace) -> dict[s
                 telemetry_retention=retention)
 
 
+def _check_bindable(host: str, port: int) -> None:
+    """Fail before the model loads when the address cannot be bound (port in use, bad host)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+            sock.bind(address)
+    except OSError as exc:
+        raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+
+
 def _open_telemetry(opts: dict[str, Any]):
     """Upgrade the store, mark interrupted runs, and return a (not started) TelemetryWriter."""
     from sqlalchemy.engine import make_url
@@ -152,7 +167,7 @@ def _open_telemetry(opts: dict[str, Any]):
 class ApplianceServer(uvicorn.Server):
     """uvicorn.Server whose first SIGINT/SIGTERM drains the app before shutting down."""
 
-    def __init__(self, config: uvicorn.Config, state, drain_grace_s: float):
+    def __init__(self, config: uvicorn.Config, state: AppState, drain_grace_s: float):
         super().__init__(config)
         self.state = state
         self.drain_grace_s = drain_grace_s
@@ -200,6 +215,7 @@ def serve_main(args: argparse.Namespace) -> int:
 
     opts = server_options(merged_settings(args), args)
     engine_config = engine_config_from_args(args)
+    _check_bindable(opts["host"], opts["port"])
     telemetry = _open_telemetry(opts) if opts["db"] else None
     engine = LLMEngine(engine_config)
     aeng = AsyncEngine(engine, max_waiting=opts["max_waiting"])

@@ -61,8 +61,9 @@ async def chat_completions(request: Request):
     req = parse_chat(await read_json_object(request, state.config.max_body_bytes), state.engine.max_model_len)
     state.check_model(req.model)
     messages = req.messages or []
+    # the template costs per message too: many tiny messages also go off the event loop
     prompt_ids = await _tokenize(state, lambda: state.engine.encode_chat(messages),
-                                 sum(len(m["content"]) for m in messages))
+                                 sum(len(m["content"]) + 64 for m in messages))
     return await _generate(request, state, req, prompt_ids, chat=True)
 
 
@@ -82,8 +83,8 @@ async def completions(request: Request):
 async def _tokenize(state: AppState, fn: Callable[[], list[int]], size: int) -> list[int]:
     try:
         return await state.run_tokenizer(fn, size)
-    except ValueError as exc:
-        raise APIError(400, f"could not build the prompt: {exc}", param="messages") from None
+    except Exception as exc:  # noqa: BLE001 - the input could not be tokenised: the client's problem
+        raise APIError(400, f"could not build the prompt: {type(exc).__name__}: {exc}") from None
 
 
 def _sampling_params(state: AppState, req: GenerationRequest, prompt_len: int, chat: bool) -> SamplingParams:
@@ -103,6 +104,7 @@ def _sampling_params(state: AppState, req: GenerationRequest, prompt_len: int, c
 def _engine_error(exc: BaseException, state: AppState, prompt_len: int, params: SamplingParams) -> APIError:
     if isinstance(exc, InvalidRequestError):
         too_long = prompt_len + params.max_tokens > state.engine.max_model_len
+        too_long = too_long and "maximum context length" in exc.message
         return APIError(400, exc.message, param=exc.param, code="context_length_exceeded" if too_long else None)
     if isinstance(exc, QueueFullError):
         return APIError(429, f"{exc}; retry later", code="queue_full", headers={"Retry-After": "1"})

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol, TypeVar
 
-from ..engine import AsyncEngine, LLMEngine
+from ..engine import AsyncEngine, IterationStats, KnobChange, LLMEngine, RequestStats
 from .errors import APIError
 from .metrics import ServerMetrics
 
@@ -22,10 +22,13 @@ T = TypeVar("T")
 
 
 class TelemetrySink(Protocol):
-    """What the server needs of appliance.telemetry.writer.TelemetryWriter."""
+    """What the server needs of appliance.telemetry.writer.TelemetryWriter (a StatsSink)."""
 
     rows_dropped: int
 
+    def on_iteration(self, stats: IterationStats) -> None: ...
+    def on_request(self, stats: RequestStats) -> None: ...
+    def on_knob_change(self, change: KnobChange) -> None: ...
     def start(self) -> Any: ...
     def close(self, timeout: float = 5.0) -> bool: ...
 
@@ -41,7 +44,8 @@ class ServerConfig:
 
 
 class AppState:
-    """Owns the AsyncEngine's lifecycle (and the telemetry writer's, when given one)."""
+    """Owns the AsyncEngine's lifecycle, and the telemetry writer's when given one (it is
+    added to the engine's sinks here, started and closed with the app)."""
 
     def __init__(self, aeng: AsyncEngine, config: ServerConfig, telemetry: TelemetrySink | None = None):
         self.aeng = aeng
@@ -53,6 +57,8 @@ class AppState:
         self.inflight = 0  # generation requests with a response still being written
         self.metrics = ServerMetrics(self._metrics_snapshot)
         self.engine.add_sink(self.metrics)
+        if telemetry is not None and telemetry not in self.engine.sinks:
+            self.engine.add_sink(telemetry)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
         self._key = config.api_key.encode() if config.api_key else None
 
