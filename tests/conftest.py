@@ -86,15 +86,18 @@ def run_app(app) -> Iterator[str]:
 
 @pytest.fixture(scope="session")
 def server_factory(loaded_model) -> Callable[..., Any]:
-    """`with server_factory(num_blocks=64, max_waiting=2, api_key=None, telemetry=None, **knobs) as srv:`
-    a real server (its own engine over the shared model) on 127.0.0.1 for the block."""
+    """`with server_factory(num_blocks=64, max_waiting=2, api_key=None, telemetry=None, block_size=16,
+    max_model_len=None, **knobs) as srv:` a real server (its own engine over the shared model) on
+    127.0.0.1 for the block."""
     from appliance.engine import AsyncEngine, EngineConfig, Knobs, LLMEngine
     from appliance.server import ServerConfig, build_app
 
     @contextmanager
     def start(num_blocks: int = 256, max_waiting: int | None = None, api_key: str | None = None,
-              telemetry: Any = None, **knobs: Any) -> Iterator[LiveServer]:
-        cfg = EngineConfig(dtype="float32", device="cpu", num_blocks=num_blocks, knobs=Knobs(**knobs))
+              telemetry: Any = None, block_size: int = 16, max_model_len: int | None = None,
+              **knobs: Any) -> Iterator[LiveServer]:
+        cfg = EngineConfig(dtype="float32", device="cpu", num_blocks=num_blocks, block_size=block_size,
+                           max_model_len=max_model_len, knobs=Knobs(**knobs))
         engine = LLMEngine(cfg, loaded=loaded_model)
         app = build_app(AsyncEngine(engine, max_waiting=max_waiting),
                         ServerConfig(api_key=api_key, replica_id="test"), telemetry)
@@ -112,7 +115,7 @@ def live_server(server_factory, tmp_path_factory) -> Iterator[LiveServer]:
 
     db_url = f"sqlite:///{tmp_path_factory.mktemp('server-telemetry') / 'telemetry.db'}"
     store.upgrade(db_url)
-    with server_factory(num_blocks=256, telemetry=TelemetryWriter(db_url, "test-server")) as server:
+    with server_factory(num_blocks=256, telemetry=TelemetryWriter(db_url, "test")) as server:
         server.db_url = db_url
         yield server
 
@@ -216,10 +219,7 @@ def serve_dashboard(loaded_model, db_url: str, api_key: str | None = None, num_b
     engine = LLMEngine(EngineConfig(dtype="float32", device="cpu", num_blocks=num_blocks, knobs=Knobs(**knobs)),
                        loaded=loaded_model)
     config = ServerConfig(api_key=api_key, replica_id="ui-test", db_url=db_url, self_url=base_url)
-    writer = TelemetryWriter(db_url, "ui-test", flush_interval_s=0.1)
-    app = build_app(AsyncEngine(engine), config, writer)
-    if writer not in engine.sinks:  # the engine must feed the store the dashboard reads
-        engine.add_sink(writer)
+    app = build_app(AsyncEngine(engine), config, TelemetryWriter(db_url, "ui-test", flush_interval_s=0.1))
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="uvicorn-ui", daemon=True)
     thread.start()

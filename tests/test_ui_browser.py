@@ -30,23 +30,31 @@ def server(dashboard_server):
 
 
 @pytest.fixture(scope="module")
-def page(server):
+def browser():
+    """One headless Chromium for the module (Playwright's sync API allows one at a time)."""
     if not CHROMIUM.exists():
         pytest.skip("Debian chromium is not installed at /usr/bin/chromium")
     from playwright.sync_api import sync_playwright
 
     ARTIFACTS.mkdir(exist_ok=True)
-    outside: list[str] = []
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=str(CHROMIUM), args=ARGS)
-        context = browser.new_context(viewport={"width": 1600, "height": 1100}, accept_downloads=True)
-        page = context.new_page()
-        page.on("request", lambda r: outside.append(r.url) if not r.url.startswith(
-            (server.base_url, "data:", "blob:")) else None)
-        page.goto(server.ui_url)
-        page.wait_for_selector("#chart-running .main-svg", timeout=60_000)
-        yield page
+        yield browser
         browser.close()
+
+
+@pytest.fixture(scope="module")
+def page(server, browser):
+    """The dashboard open on the Live tab; every request it makes is recorded."""
+    outside: list[str] = []
+    context = browser.new_context(viewport={"width": 1600, "height": 1100}, accept_downloads=True)
+    page = context.new_page()
+    page.on("request", lambda r: outside.append(r.url) if not r.url.startswith(
+        (server.base_url, "data:", "blob:")) else None)
+    page.goto(server.ui_url)
+    page.wait_for_selector("#chart-running .main-svg", timeout=60_000)
+    yield page
+    context.close()
     assert outside == []  # the page never reached beyond the server
 
 
@@ -212,18 +220,13 @@ def test_small_load_test_finishes_in_the_runs_table_and_exports_a_report(server,
     shutil.copyfile(ARTIFACTS / "ui-live-after-load.png", ROOT / "docs" / "dashboard.png")
 
 
-def test_with_an_api_key_the_browser_logs_in_and_never_sees_the_key(loaded_model, tmp_path):
-    from playwright.sync_api import sync_playwright
-
+def test_with_an_api_key_the_browser_logs_in_and_never_sees_the_key(loaded_model, tmp_path, browser):
     from conftest import serve_dashboard
 
-    if not CHROMIUM.exists():
-        pytest.skip("Debian chromium is not installed at /usr/bin/chromium")
     key = "sk-browser-secret"
-    with serve_dashboard(loaded_model, f"sqlite:///{tmp_path / 'auth.db'}", api_key=key, num_blocks=64) as srv, \
-            sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=ARGS)
-        page = browser.new_page(viewport={"width": 1400, "height": 900})
+    with serve_dashboard(loaded_model, f"sqlite:///{tmp_path / 'auth.db'}", api_key=key, num_blocks=64) as srv:
+        context = browser.new_context(viewport={"width": 1400, "height": 900})
+        page = context.new_page()
         page.goto(srv.ui_url)
         page.locator("input[type='password']").wait_for(timeout=30_000)
         assert page.locator("#chart-running").count() == 0  # nothing before the login
@@ -232,6 +235,7 @@ def test_with_an_api_key_the_browser_logs_in_and_never_sees_the_key(loaded_model
         page.get_by_role("button", name="Login").click()
         page.wait_for_timeout(1000)
         assert page.locator("#chart-running").count() == 0
+        page.locator("input[type='text']").first.fill("operator")  # the form was cleared
         page.locator("input[type='password']").fill(key)
         page.get_by_role("button", name="Login").click()
         page.wait_for_selector("#chart-running .main-svg", timeout=60_000)
@@ -241,4 +245,4 @@ def test_with_an_api_key_the_browser_logs_in_and_never_sees_the_key(loaded_model
         config = page.request.get(f"{srv.ui_url}config")  # what the logged-in page is built from
         assert config.ok and key not in config.text()
         page.screenshot(path=str(ARTIFACTS / "ui-login.png"))
-        browser.close()
+        context.close()

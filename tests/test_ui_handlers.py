@@ -234,6 +234,20 @@ def test_load_test_runs_reports_progress_and_is_stored(server, client):
     assert row[-1] in [c[1] for c in select_update["choices"]]
 
 
+def test_load_test_of_an_uploaded_jsonl(server, client, tmp_path):
+    from gradio_client import handle_file
+
+    path = tmp_path / "mine.jsonl"
+    path.write_text('{"prompt": "The sky is", "max_tokens": 3}\n{"prompt_ids": [504, 3276, 314], "output_len": 2}\n')
+    job = client.submit("jsonl", 2, "fixed concurrency", 4, 1, 0, 0, "upload", handle_file(str(path)),
+                        api_name="/loadtest_start")
+    _, (message, progress, results, _chart) = _final(job)
+    (row,) = results["data"]
+    assert row[1] == "completed" and row[2] == 2
+    run = runs.get_run(server.db_url, row[-1], with_requests=True)
+    assert run["workload"].startswith("jsonl") and [r["output_tokens"] for r in run["requests"]] == [3, 2]
+
+
 def test_load_test_form_errors_are_shown(client):
     message, *_ = client.predict("jsonl", 4, "all at once", 4, 2, 0, 0, "", None, api_name="/loadtest_start")
     assert "upload a JSONL" in message

@@ -158,7 +158,7 @@ def _slo(data: RunData) -> list[Finding]:
 
 # ------------------------------------------------------------------------------------ comparison
 
-# (key, label, unit, higher is better, getter)
+# (summary key, label, unit ("ms": seconds shown as ms), higher is better)
 COMPARED: tuple[tuple[str, str, str, bool], ...] = (
     ("output_throughput", "Output throughput", "tok/s", True),
     ("request_throughput", "Request throughput", "req/s", True),

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 from sqlalchemy import insert, select, update
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import Connection, Engine
 
 from appliance.telemetry.models import RUN_STATUSES, Run, RunRequest
 from appliance.telemetry.store import using_engine
@@ -20,6 +21,15 @@ _RUN_REQUEST_FIELDS = frozenset(
 )
 _REQUIRED_FIELDS = frozenset({"index", "ok"})
 
+
+
+@contextmanager
+def _writing(target: Engine | str) -> Iterator[Connection]:
+    """A write transaction that takes SQLite's write lock at BEGIN (IMMEDIATE), so a
+    read-then-write never fails with "database is locked" when another writer commits between."""
+    with using_engine(target) as engine:
+        with engine.connect().execution_options(sqlite_begin="IMMEDIATE") as conn, conn.begin():
+            yield conn
 
 def create_run(
     target: Engine | str,
@@ -34,7 +44,7 @@ def create_run(
 ) -> str:
     """Record a new run with status "running"; returns its id (a uuid4 string by default)."""
     run_id = run_id or str(uuid.uuid4())
-    with using_engine(target) as engine, engine.begin() as conn:
+    with _writing(target) as conn:
         conn.execute(
             insert(Run.__table__).values(
                 id=run_id,
@@ -76,7 +86,7 @@ def add_run_requests(target: Engine | str, run_id: str, rows: Iterable[Mapping[s
         records.append(record)
     if not records:
         return 0
-    with using_engine(target) as engine, engine.begin() as conn:
+    with _writing(target) as conn:
         _require_run(conn, run_id)
         conn.execute(insert(RunRequest.__table__), records)
     return len(records)
@@ -95,7 +105,7 @@ def finish_run(
     if status not in FINAL_STATUSES:
         raise ValueError(f"run status must be one of {', '.join(FINAL_STATUSES)}, got {status!r}")
     runs = Run.__table__
-    with using_engine(target) as engine, engine.begin() as conn:
+    with _writing(target) as conn:
         _require_run(conn, run_id)
         conn.execute(
             update(runs)
@@ -152,7 +162,7 @@ def mark_interrupted_runs(target: Engine | str, replica_id: str | None = None) -
     query = update(runs).where(runs.c.status == "running").values(status="interrupted", ended_at=time.time())
     if replica_id is not None:
         query = query.where(runs.c.replica_id == replica_id)
-    with using_engine(target) as engine, engine.begin() as conn:
+    with _writing(target) as conn:
         return conn.execute(query).rowcount
 
 
