@@ -166,6 +166,8 @@ def test_stop_ends_a_streaming_reply_and_the_server_aborts_it(server, page):
     aborted_before = aborted_chats(server)
     open_tab(page, "Chat")
     page.locator("#chat-clear").click()
+    page.wait_for_function("() => !document.querySelector('#chat-history [data-testid=\"bot\"]')",
+                           timeout=15_000)
     page.locator("#chat-max-tokens input[data-testid='number-input']").fill("1500")
     page.locator("#chat-input textarea").fill("Write a long story about a lighthouse keeper.")
     page.locator("#chat-send").click()

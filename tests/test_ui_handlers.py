@@ -163,6 +163,8 @@ def test_chat_streams_multi_turn_with_reply_figures(server, client):
     chat, _, error, table = outputs[-1]
     assert error == "" and [m["role"] for m in chat] == ["user", "assistant", "user", "assistant"]
     assert [r[0] for r in table["data"]] == [1, 2]
+    chat, error, table = client.predict(api_name="/chat_clear")
+    assert chat == [] and error == "" and table["data"] == []
 
 
 def test_chats_from_several_tabs_run_at_once(server):

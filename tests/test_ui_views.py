@@ -261,3 +261,16 @@ def test_the_dashboard_never_imports_the_engine_or_the_server():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=Path(__file__).resolve().parents[1])
     assert out.stdout.strip() == "[]"
+
+
+def test_only_the_newest_knob_changes_carry_their_label():
+    import plotly.graph_objects as go
+
+    now = time.time()
+    changes = [{"version": v, "applied_at": now - 10 + v, "old": {"max_num_seqs": v}, "new": {"max_num_seqs": v + 1}}
+               for v in range(1, 6)]
+    fig = charts.mark_knob_changes(go.Figure(), changes)
+    assert len(fig.layout.shapes) == 5
+    texts = [a.text for a in fig.layout.annotations]
+    assert texts == ["v1", "v2", "v3: max_num_seqs 3→4", "v4: max_num_seqs 4→5", "v5: max_num_seqs 5→6"]
+    assert [a.hovertext for a in fig.layout.annotations][0] == "v1: max_num_seqs 1→2"

@@ -6,13 +6,15 @@ what changed ("v3: max_num_seqs 64→16").
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+LABELLED = 3  # knob changes per chart that show their label (older ones: the version)
+LABEL_CHARS = 60
 COLORS = ("#2563eb", "#dc2626", "#16a34a", "#9333ea", "#ea580c", "#0891b2", "#ca8a04", "#db2777")
 LAYOUT = dict(
     height=260,
@@ -55,15 +57,20 @@ def time_figure(title: str, yaxis_title: str, since: float, until: float) -> go.
                                    yaxis={"rangemode": "tozero"}), _validate=False)
 
 
-def mark_knob_changes(fig: go.Figure, changes: Iterable[dict[str, Any]]) -> go.Figure:
-    """Draw each change as a dashed vertical line with its label at the top of the plot."""
+def mark_knob_changes(fig: go.Figure, changes: Sequence[dict[str, Any]]) -> go.Figure:
+    """Draw each change as a dashed vertical line. The newest LABELLED changes carry their label
+    (cut at LABEL_CHARS); older ones show their version, with the whole label on hover."""
     for i, change in enumerate(changes):
         x = when(change["applied_at"])
+        label = change_label(change)
+        newest = i >= len(changes) - LABELLED
+        text = label if len(label) <= LABEL_CHARS else label[:LABEL_CHARS - 1] + "…"
         fig.add_shape(type="line", x0=x, x1=x, xref="x", y0=0, y1=1, yref="paper",
                       line=dict(color="#6b7280", width=1, dash="dash"))
-        fig.add_annotation(x=x, xref="x", y=1 - 0.12 * (i % 4), yref="paper", text=change_label(change),
+        fig.add_annotation(x=x, xref="x", y=1 - 0.1 * ((len(changes) - 1 - i) % LABELLED), yref="paper",
+                           text=text if newest else f"v{change.get('version')}", hovertext=label,
                            showarrow=False, xanchor="left", yanchor="top", font=dict(size=9, color="#374151"),
-                           bgcolor="rgba(255,255,255,0.75)")
+                           bgcolor="rgba(255,255,255,0.8)")
     return fig
 
 

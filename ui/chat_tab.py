@@ -79,10 +79,12 @@ class ChatTab:
         submit = self.input.submit(self.respond, inputs, outputs, api_name="chat_submit",
                                    concurrency_limit=CHAT_CONCURRENCY, show_progress="hidden")
         self.stop.click(None, None, None, cancels=[send, submit], api_name="chat_stop")
-        self.clear.click(self.on_clear, None, outputs, api_name="chat_clear", cancels=[send, submit])
+        self.clear.click(self.on_clear, None, [self.chatbot, self.error, self.stats], api_name="chat_clear",
+                         cancels=[send, submit])
 
     def on_clear(self) -> tuple[Any, ...]:
-        return [], "", "", []
+        """An empty conversation (a message being typed stays)."""
+        return [], "", []
 
     async def model(self) -> str:
         if self._model is None:

@@ -33,7 +33,8 @@ LATENCY_POINTS = 30
 RATE_WINDOW_S = 5.0  # the headline's tokens/s is measured over the last few seconds
 CHART_IDS = ("chart-running", "chart-waiting", "chart-kv", "chart-tokens", "chart-step-time",
              "chart-throughput", "chart-ttft", "chart-itl")
-# (column, which statistics the charts use)
+# Iteration columns the charts read. Output tokens/s counts decode tokens (one output token each);
+# the first token of a reply, produced by its last prefill chunk, is not in the iteration rows.
 SERIES = ("running", "max_num_seqs", "waiting", "kv_blocks_used", "kv_blocks_total", "prefill_tokens",
           "decode_tokens", "padding_tokens", "token_budget", "duration_s", "preemptions")
 

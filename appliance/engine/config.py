@@ -38,6 +38,7 @@ class EngineConfig:
     max_model_len: int | None = None
     knobs: Knobs = field(default_factory=Knobs)
     seed: int = 0
+    fast_forward: bool = True  # lean llama forward where supported (else transformers' classes)
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or not 1 <= self.block_size <= 1024:

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 
 from ..model_loader import LoadedModel
+from . import fast_llama
+from .fast_llama import FastLlamaForward
 from .paged_attention import ATTN_IMPLEMENTATION, AttentionMetadata, PrefillSpan
 from .scheduler import SchedulerOutput
 
@@ -46,13 +48,15 @@ class ForwardResult:
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int):
+    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, fast_forward: bool = True):
         self.loaded = loaded
         self.model = loaded.model
         self.device = loaded.device
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.model.config._attn_implementation = ATTN_IMPLEMENTATION
+        self.fast = FastLlamaForward(self.model) if fast_forward and fast_llama.supports(self.model) else None
+        log.info("forward: %s", "lean llama forward" if self.fast else f"transformers {type(self.model).__name__}")
         self.spec = kv_cache_spec(loaded)
         # One extra block at the end is scratch space for padding rows; it is never handed out.
         slots = (num_blocks + 1) * block_size
@@ -129,12 +133,15 @@ class ModelRunner:
             prefills=spans,
             kv_caches=self.kv_caches,
         )
-        ids = torch.tensor([input_ids], dtype=torch.long, device=device)
-        pos = torch.tensor([positions], dtype=torch.long, device=device)
+        ids = torch.tensor(input_ids, dtype=torch.long, device=device)
+        pos = torch.tensor(positions, dtype=torch.long, device=device)
         keep = torch.tensor(keep_rows, dtype=torch.long, device=device)
-        out = self.model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=keep, paged_meta=meta)
-        logits = out.logits[0].float()
-        return ForwardResult(logits, sample_indices)
+        if self.fast is not None:
+            logits = self.fast(ids, pos, meta, keep)
+        else:
+            out = self.model(input_ids=ids[None], position_ids=pos[None], use_cache=False, logits_to_keep=keep, paged_meta=meta)
+            logits = out.logits[0]
+        return ForwardResult(logits.float(), sample_indices)
 
     def _decode_context(self, decodes, ctx_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Slot indices [D, Lmax] of each decode row's context and the matching validity mask."""

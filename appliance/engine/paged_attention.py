@@ -40,6 +40,42 @@ class AttentionMetadata:
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: K, V as [slots, kv_heads, dim]
 
 
+def paged_attention(
+    layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, scaling: float | None
+) -> torch.Tensor:
+    """q [T, H, D], k/v [T, KVH, D] of the packed new tokens -> attention output [T, H, D]."""
+    k_cache, v_cache = meta.kv_caches[layer_idx]
+    k_cache.index_copy_(0, meta.slot_mapping, k)
+    v_cache.index_copy_(0, meta.slot_mapping, v)
+    total, num_heads, head_dim = q.shape
+    kv_heads = k.shape[1]
+    out = q.new_empty(total, num_heads, head_dim)
+    n_dec = meta.num_decode_rows
+    if n_dec:
+        # Group the query heads that share a KV head as extra "query rows": no KV repeat needed.
+        q_dec = q[:n_dec].reshape(n_dec, kv_heads, num_heads // kv_heads, head_dim)
+        k_dec = k_cache[meta.decode_slots].transpose(1, 2)  # [D, KVH, L, dim]
+        v_dec = v_cache[meta.decode_slots].transpose(1, 2)
+        o = F.scaled_dot_product_attention(q_dec, k_dec, v_dec, attn_mask=meta.decode_mask, scale=scaling)
+        out[:n_dec] = o.reshape(n_dec, num_heads, head_dim)
+    for span in meta.prefills:
+        rows = slice(span.start, span.start + span.length)
+        q_p = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
+        if span.context_slots is None:
+            k_p = k[rows].transpose(0, 1).unsqueeze(0)
+            v_p = v[rows].transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(q_p, k_p, v_p, is_causal=True, scale=scaling, enable_gqa=True)
+        else:
+            ctx = span.context_slots.numel()
+            k_p = k_cache[span.context_slots].transpose(0, 1).unsqueeze(0)  # [1, KVH, L, D]
+            v_p = v_cache[span.context_slots].transpose(0, 1).unsqueeze(0)
+            q_pos = torch.arange(ctx - span.length, ctx, device=q.device).unsqueeze(1)
+            mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= q_pos  # [q, L]
+            o = F.scaled_dot_product_attention(q_p, k_p, v_p, attn_mask=mask, scale=scaling, enable_gqa=True)
+        out[rows] = o[0].transpose(0, 1)
+    return out
+
+
 def paged_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -51,44 +87,13 @@ def paged_attention_forward(
     paged_meta: AttentionMetadata | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """query [1, H, T, D], key/value [1, KVH, T, D] -> ([1, T, H, D], None)."""
-    meta = paged_meta
-    if meta is None:  # called outside the engine (e.g. plain `generate`): behave like sdpa
+    """transformers' attention interface: query [1, H, T, D], key/value [1, KVH, T, D] ->
+    ([1, T, H, D], None)."""
+    if paged_meta is None:  # called outside the engine (e.g. plain `generate`): behave like sdpa
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
-    k_cache, v_cache = meta.kv_caches[module.layer_idx]
-    q = query[0]  # [H, T, D]
-    k_new = key[0].transpose(0, 1)  # [T, KVH, D]
-    v_new = value[0].transpose(0, 1)
-    k_cache.index_copy_(0, meta.slot_mapping, k_new)
-    v_cache.index_copy_(0, meta.slot_mapping, v_new)
-
-    num_heads, total, head_dim = q.shape
-    kv_heads = k_new.shape[1]
-    out = q.new_empty(total, num_heads, head_dim)
-    n_dec = meta.num_decode_rows
-    if n_dec:
-        # Group the query heads that share a KV head as extra "query rows": no KV repeat needed.
-        q_dec = q[:, :n_dec].transpose(0, 1).reshape(n_dec, kv_heads, num_heads // kv_heads, head_dim)
-        k_dec = k_cache[meta.decode_slots].transpose(1, 2)  # [D, KVH, L, dim]
-        v_dec = v_cache[meta.decode_slots].transpose(1, 2)
-        o = F.scaled_dot_product_attention(q_dec, k_dec, v_dec, attn_mask=meta.decode_mask, scale=scaling)
-        out[:n_dec] = o.reshape(n_dec, num_heads, head_dim)
-    for span in meta.prefills:
-        rows = slice(span.start, span.start + span.length)
-        q_p = q[:, rows].unsqueeze(0)  # [1, H, q, D]
-        if span.context_slots is None:
-            k_p = key[:, :, rows]
-            v_p = value[:, :, rows]
-            o = F.scaled_dot_product_attention(q_p, k_p, v_p, is_causal=True, scale=scaling, enable_gqa=True)
-        else:
-            ctx = span.context_slots.numel()
-            k_p = k_cache[span.context_slots].transpose(0, 1).unsqueeze(0)  # [1, KVH, L, D]
-            v_p = v_cache[span.context_slots].transpose(0, 1).unsqueeze(0)
-            first = ctx - span.length
-            q_pos = torch.arange(first, ctx, device=q.device).unsqueeze(1)
-            mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= q_pos  # [q, L]
-            o = F.scaled_dot_product_attention(q_p, k_p, v_p, attn_mask=mask, scale=scaling, enable_gqa=True)
-        out[rows] = o[0].transpose(0, 1)
+    out = paged_attention(
+        module.layer_idx, query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), paged_meta, scaling
+    )
     return out.unsqueeze(0), None
 
 

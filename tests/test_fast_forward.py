@@ -1,0 +1,42 @@
+"""The lean llama forward matches transformers' logits, and other models fall back."""
+
+from __future__ import annotations
+
+import torch
+
+from appliance.engine import EngineConfig, Knobs, LLMEngine, SamplingParams
+from appliance.engine import fast_llama
+
+
+def _last_logits(engine, prompt_ids):
+    """Run a prompt through the engine's runner chunk by chunk; logits of its last token."""
+    engine.add_request("p", prompt_ids, SamplingParams(max_tokens=1, temperature=0))
+    logits = None
+    while logits is None or logits.numel() == 0:
+        sched = engine.scheduler.schedule()
+        result = engine.runner.execute(sched)
+        for item in sched.scheduled:
+            item.seq.num_computed_tokens += item.num_tokens
+        logits = result.logits
+    engine.abort("p")
+    return logits[0]
+
+
+def test_lean_forward_logits_match_transformers(loaded_model):
+    assert fast_llama.supports(loaded_model.model)
+    prompt = loaded_model.tokenizer.encode("The lean forward must agree with transformers, chunk by chunk, to the last digit.")
+    with torch.inference_mode():
+        reference = loaded_model.model(torch.tensor([prompt])).logits[0, -1].float()
+    for fast in (True, False):
+        cfg = EngineConfig(dtype="float32", device="cpu", num_blocks=64, fast_forward=fast,
+                           knobs=Knobs(max_num_batched_tokens=64, long_prefill_token_threshold=8))
+        engine = LLMEngine(cfg, loaded=loaded_model)
+        assert (engine.runner.fast is not None) == fast
+        got = _last_logits(engine, prompt)
+        assert torch.allclose(got, reference, atol=1e-3, rtol=1e-4), (fast, (got - reference).abs().max())
+        assert got.argmax() == reference.argmax()
+
+
+def test_unsupported_models_use_transformers_classes(loaded_model, monkeypatch):
+    monkeypatch.setattr(loaded_model.model.config, "attention_bias", True, raising=False)
+    assert not fast_llama.supports(loaded_model.model)
