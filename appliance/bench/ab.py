@@ -96,7 +96,8 @@ async def run_ab(
 
 async def set_policy(client: httpx.AsyncClient, policy: str) -> None:
     try:
-        response = await client.patch("/admin/knobs", json={"scheduling_policy": policy})
+        response = await client.patch("/admin/knobs", json={"scheduling_policy": policy},
+                                      headers={"X-Appliance-Source": "ab-test"})
     except httpx.HTTPError as exc:
         raise BenchError(f"PATCH /admin/knobs failed: {type(exc).__name__}: {exc}") from None
     if response.status_code != 200:

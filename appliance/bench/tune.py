@@ -236,7 +236,7 @@ def run_sweep(requests: Sequence[BenchRequest], slo: SLO, **options: Any) -> Swe
 
 async def patch_knobs(client: httpx.AsyncClient, knobs: dict[str, Any]) -> dict[str, Any]:
     try:
-        response = await client.patch("/admin/knobs", json=knobs)
+        response = await client.patch("/admin/knobs", json=knobs, headers={"X-Appliance-Source": "tune"})
     except httpx.HTTPError as exc:
         raise BenchError(f"PATCH /admin/knobs failed: {type(exc).__name__}: {exc}") from None
     if response.status_code != 200:
