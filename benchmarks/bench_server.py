@@ -26,14 +26,15 @@ def free_port() -> int:
 
 
 @contextmanager
-def appliance_server(*serve_args: str, ready_timeout_s: float = 300.0) -> Iterator[tuple[str, str]]:
-    """Yield (base URL, telemetry store URL) of a fresh server with its store in a temp folder.
-    The server's log is printed if it fails to start."""
+def appliance_server(*serve_args: str, ready_timeout_s: float = 300.0, dashboard: bool = False) -> Iterator[tuple[str, str]]:
+    """Yield (base URL, telemetry store URL) of a fresh server with its store in a temp folder
+    (the dashboard at /ui only when asked). The server's log is printed if it fails to start."""
     folder = Path(tempfile.mkdtemp(prefix="appliance-bench-"))
     db = f"sqlite:///{folder / 'telemetry.db'}"
     port = free_port()
-    cmd = [sys.executable, "-m", "appliance.cli", "serve", "--port", str(port), "--no-dashboard",
-           "--db", db, *serve_args]
+    cmd = [sys.executable, "-m", "appliance.cli", "serve", "--port", str(port), "--db", db, *serve_args]
+    if not dashboard:
+        cmd.append("--no-dashboard")
     log_path = folder / "serve.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,

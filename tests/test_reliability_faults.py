@@ -186,18 +186,32 @@ def test_store_file_deleted_is_recreated_while_serving(server_factory, tmp_path)
 def test_store_full(server_factory, tmp_path):
     path = tmp_path / "telemetry.db"
     store.upgrade(f"sqlite:///{path}")
-    pages = sql(path, "PRAGMA page_count")[0][0]
+    limit = sql(path, "PRAGMA page_count")[0][0] + 64  # a size-limited store (the writer's max_page_count)
 
-    def free_space() -> None:  # an operator deleting old rows
+    def fill() -> None:
+        """Another process's rows take what room is left (copies of the server's own rows)."""
+        conn = sqlite3.connect(path, timeout=10, isolation_level=None)
+        conn.execute(f"PRAGMA max_page_count = {limit}")
+        columns = ", ".join(r[1] for r in conn.execute("PRAGMA table_info(iterations)") if r[1] not in ("id", "replica_id"))
+        batch = 1024
+        try:
+            while batch:  # until not even one more row fits
+                try:
+                    conn.execute(f"INSERT INTO iterations (replica_id, {columns}) "
+                                 f"SELECT 'filler', {columns} FROM iterations LIMIT {batch}")
+                except sqlite3.OperationalError as exc:
+                    assert "full" in str(exc)
+                    batch //= 2
+        finally:
+            conn.close()
+
+    def free_space() -> None:  # the operator deletes the other process's rows
         conn = sqlite3.connect(path, timeout=10)
         with conn:
-            conn.execute("DELETE FROM iterations")
-            conn.execute("DELETE FROM iteration_rollups")
+            conn.execute("DELETE FROM iterations WHERE replica_id = 'filler'")
         conn.close()
 
-    # a size-limited store with room for a few requests' rows: it fills as the server serves
-    _, after = serve_through_fault(server_factory, path, lambda: None, free_space,
-                                   sqlite_pragmas={"max_page_count": pages + 4})
+    _, after = serve_through_fault(server_factory, path, fill, free_space, sqlite_pragmas={"max_page_count": limit})
     assert set(after) <= stored_ids(path)
 
 
