@@ -16,6 +16,7 @@ size and context (transformers DynamicCache, no scheduler).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -58,6 +59,17 @@ def run_engine(loaded, requests, policy: str, max_num_seqs: int) -> dict:
     return summarize(f"engine {policy}", time.time() - t0, tokens, e2e, ttft)
 
 
+@contextlib.contextmanager
+def sdpa_attention(model):
+    """Run transformers' own paths with sdpa (the engine registers its paged attention)."""
+    impl = model.config._attn_implementation
+    model.config._attn_implementation = "sdpa"
+    try:
+        yield
+    finally:
+        model.config._attn_implementation = impl
+
+
 def run_hf_static(loaded, requests, batch_size: int) -> dict:
     from transformers import LogitsProcessor, LogitsProcessorList
 
@@ -74,7 +86,7 @@ def run_hf_static(loaded, requests, batch_size: int) -> dict:
             self.at = self.at or time.time()
             return scores
 
-    with torch.inference_mode():
+    with torch.inference_mode(), sdpa_attention(model):
         for start in range(0, len(requests), batch_size):
             batch = requests[start : start + batch_size]
             width = max(len(r["prompt_ids"]) for r in batch)
@@ -100,7 +112,8 @@ def run_hf_continuous(loaded, requests) -> dict:
     cbc = ContinuousBatchingConfig(page_size=64, num_blocks=512, max_batch_tokens=512, max_requests_per_batch=64,
                                    use_cuda_graph=False, use_async_batching=False, auto_switch_to_flash=False,
                                    allow_block_sharing=False)
-    manager = model.init_continuous_batching(generation_config=gc, continuous_batching_config=cbc)
+    with sdpa_attention(model):
+        manager = model.init_continuous_batching(generation_config=gc, continuous_batching_config=cbc)
     manager.start()
     try:
         t0 = time.time()
@@ -142,9 +155,7 @@ def efficiency(loaded, batch: int, context: int, steps: int = 12) -> tuple[float
     from transformers import DynamicCache
 
     model = loaded.model
-    impl = model.config._attn_implementation
-    model.config._attn_implementation = "sdpa"
-    try:
+    with sdpa_attention(model):
         with torch.inference_mode():
             ids = torch.randint(100, 1000, (batch, context))
             cache = DynamicCache(config=model.config)
@@ -156,17 +167,16 @@ def efficiency(loaded, batch: int, context: int, steps: int = 12) -> tuple[float
                 logits = model(nxt, cache=cache, use_cache=True, logits_to_keep=1).logits
                 nxt = logits[:, -1].argmax(-1, keepdim=True)
             bare_rate = batch * steps / (time.perf_counter() - t)
-    finally:
-        model.config._attn_implementation = impl
     return engine_rate, bare_rate
 
 
-def report(rows: list[dict]) -> None:
-    base = rows[0]
-    print(f"{'system':44s} {'wall s':>8s} {'tok/s':>8s} {'e2e p50':>8s} {'e2e p99':>8s} {'ttft p50':>8s} {'ttft p99':>8s} {'engine x':>9s}")
-    for r in rows:
-        print(f"{r['system']:44s} {r['wall_s']:8.1f} {r['tok_s']:8.1f} {r['e2e_p50']:8.1f} {r['e2e_p99']:8.1f} "
-              f"{r['ttft_p50']:8.2f} {r['ttft_p99']:8.2f} {base['tok_s'] / r['tok_s']:8.2f}x")
+HEADER = (f"{'system':44s} {'wall s':>8s} {'tok/s':>8s} {'e2e p50':>8s} {'e2e p99':>8s} {'ttft p50':>8s} "
+          f"{'ttft p99':>8s} {'engine x':>9s}")
+
+
+def row_line(r: dict, base: dict) -> str:
+    return (f"{r['system']:44s} {r['wall_s']:8.1f} {r['tok_s']:8.1f} {r['e2e_p50']:8.1f} {r['e2e_p99']:8.1f} "
+            f"{r['ttft_p50']:8.2f} {r['ttft_p99']:8.2f} {base['tok_s'] / r['tok_s']:8.2f}x")
 
 
 def main() -> None:
@@ -185,15 +195,20 @@ def main() -> None:
     for dtype in [args.dtype] + (["bfloat16"] if args.also_bf16 and args.dtype != "bfloat16" else []):
         loaded = load_model(dtype=dtype, device="cpu")
         print(f"\n== {dtype} ==")
-        rows = [run_engine(loaded, requests, "continuous", 64), run_engine(loaded, requests, "static", 64)]
+        runs = [lambda: run_engine(loaded, requests, "continuous", 64),
+                lambda: run_engine(loaded, requests, "static", 64)]
         if not args.skip_peers and dtype == args.dtype:
-            rows.append(run_hf_static(loaded, requests, 8))
-            rows.append(run_hf_continuous(loaded, requests))
-        report(rows)
+            runs += [lambda: run_hf_static(loaded, requests, 8), lambda: run_hf_continuous(loaded, requests)]
+        print(HEADER, flush=True)
+        base = None
+        for run in runs:
+            row = run()
+            base = base or row
+            print(row_line(row, base), flush=True)
         for batch, ctx in ((64, 160), (1, 160)):
             eng, bare = efficiency(loaded, batch, ctx)
             print(f"efficiency at batch {batch}, context {ctx}: engine {eng:.1f} tok/s vs bare forward "
-                  f"{bare:.1f} tok/s = {100 * eng / bare:.0f} %")
+                  f"{bare:.1f} tok/s = {100 * eng / bare:.0f} %", flush=True)
 
 
 if __name__ == "__main__":

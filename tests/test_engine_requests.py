@@ -171,3 +171,25 @@ def test_block_manager_accounting():
     bm.free(seq)
     bm.check_invariants()
     assert bm.num_used_blocks == 0
+
+
+def test_short_prompts_overtake_long_ones(make_engine):
+    """max_long_partial_prefills=1: while one long prompt prefills in chunks, a second long one
+    waits and the short prompts behind it are admitted first."""
+    engine = make_engine(max_num_seqs=8, max_num_batched_tokens=64, long_prefill_token_threshold=16,
+                         max_num_partial_prefills=4, max_long_partial_prefills=1)
+    long_prompt = engine.encode_prompt("word " * 60)
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    engine.add_request("long-1", long_prompt, params)
+    engine.add_request("long-2", long_prompt, params)
+    engine.add_request("short-1", engine.encode_prompt("Hi there"), params)
+    engine.add_request("short-2", engine.encode_prompt("Hello you"), params)
+    admitted = []
+    while engine.has_unfinished():
+        engine.step()
+        for seq in engine.scheduler.running:
+            if seq.request_id not in admitted:
+                admitted.append(seq.request_id)
+    assert admitted.index("short-1") < admitted.index("long-2")
+    assert admitted.index("short-2") < admitted.index("long-2")
+    assert admitted[0] == "long-1"
