@@ -155,13 +155,17 @@ def test_extreme_but_valid_sampling_values(http):
     assert http.get("/health").status_code == 200
 
 
-def test_unknown_and_default_valued_fields_are_accepted(http):
+def test_default_valued_fields_are_accepted_unknown_ones_refused(http):
     body = {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
             "max_tokens": 1, "n": 1, "user": "u1", "presence_penalty": 0, "logprobs": False,
-            "some_future_field": {"x": [1, 2]}, "appliance_source": "loadtest", "appliance_run_id": "run-1"}
+            "appliance_source": "loadtest", "appliance_run_id": "run-1"}
     response = http.post(CHAT, json=body)
     assert response.status_code == 200, response.text
     assert response.headers["x-request-id"] == response.json()["id"]
+    refused = http.post(CHAT, json={**body, "max_token": 5})
+    assert refused.status_code == 400
+    error = refused.json()["error"]
+    assert error["param"] == "max_token" and "Unrecognized request argument" in error["message"]
 
 
 # -- errors -------------------------------------------------------------------------------------

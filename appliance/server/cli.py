@@ -164,6 +164,31 @@ def _open_telemetry(opts: dict[str, Any]):
     return TelemetryWriter(url, opts["replica_id"], retention=opts["telemetry_retention"])
 
 
+class RedactSecret(logging.Filter):
+    """Replaces a secret (the API key) in every record a handler emits: a client that puts the
+    key where it does not belong (a URL query, a request body) must not get it into the logs,
+    e.g. through uvicorn's access log, which logs whole request lines."""
+
+    def __init__(self, secret: str):
+        super().__init__()
+        self.secret = secret
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if self.secret in message:
+            record.msg, record.args = message.replace(self.secret, "[redacted]"), None
+        if record.exc_text and self.secret in record.exc_text:
+            record.exc_text = record.exc_text.replace(self.secret, "[redacted]")
+        return True
+
+
+def _redact_in_logs(secret: str) -> None:
+    """Install RedactSecret on every handler of the root logger (where uvicorn's and the
+    appliance's records end up)."""
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(RedactSecret(secret))
+
+
 class ApplianceServer(uvicorn.Server):
     """uvicorn.Server whose first SIGINT/SIGTERM drains the app before shutting down."""
 
@@ -214,6 +239,8 @@ def serve_main(args: argparse.Namespace) -> int:
     from .state import ServerConfig
 
     opts = server_options(merged_settings(args), args)
+    if opts["api_key"]:
+        _redact_in_logs(opts["api_key"])
     engine_config = engine_config_from_args(args)
     _check_bindable(opts["host"], opts["port"])
     telemetry = _open_telemetry(opts) if opts["db"] else None

@@ -107,8 +107,9 @@ def build_openapi(model: str, max_model_len: int, vocab_size: int, auth: bool) -
         "ChatCompletionRequest": {"type": "object", "required": ["messages"], "properties": {
             "messages": {"type": "array", "items": message, "minItems": 1},
             "max_completion_tokens": _nullable({"type": "integer", "minimum": 1, "maximum": max_model_len}),
-            **sampling}},
-        "CompletionRequest": {"type": "object", "required": ["prompt"], "properties": {"prompt": prompt, **sampling}},
+            **sampling}, "additionalProperties": False},
+        "CompletionRequest": {"type": "object", "required": ["prompt"], "properties": {"prompt": prompt, **sampling},
+                              "additionalProperties": False},
         "ChatCompletion": {"type": "object", "required": ["id", "object", "created", "model", "choices", "usage"],
                            "properties": {
             "id": {"type": "string"}, "object": {"type": "string", "enum": ["chat.completion"]},

@@ -1,8 +1,10 @@
 """Reading and validating OpenAI request bodies, strictly.
 
 Types are checked exactly (a bool is not an integer, NaN and infinities are refused), unknown
-fields are ignored as OpenAI does, known fields the appliance cannot honour are refused unless
-they hold their default, and every failure is an APIError(400) naming the field.
+fields are refused as OpenAI refuses them ("Unrecognized request argument"), so a misspelt
+`max_token` is an error rather than silently ignored; known fields the appliance cannot honour
+are refused unless they hold their default, and every failure is an APIError(400) naming the
+field.
 """
 
 from __future__ import annotations
@@ -169,6 +171,23 @@ UNSUPPORTED_DEFAULTS: dict[str, Any] = {
 }
 
 
+# Accepted without effect: OpenAI bookkeeping fields that do not change the generated text.
+INERT_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls", "tool_choice"})
+COMMON_FIELDS = frozenset({
+    "model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "stream",
+    "stream_options", "n", "ignore_eos", "min_tokens", "appliance_source", "appliance_run_id",
+}) | INERT_FIELDS | frozenset(UNSUPPORTED_DEFAULTS)
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens"}
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
+
+
+def _refuse_unknown(body: dict, known: frozenset[str]) -> None:
+    unknown = sorted(set(body) - known)
+    if unknown:
+        raise bad_request(f"Unrecognized request argument supplied: {', '.join(unknown)}", unknown[0],
+                          code="unrecognized_argument")
+
+
 def _is_default(value: Any, default: Any) -> bool:
     return value == default and isinstance(value, bool) == isinstance(default, bool)
 
@@ -260,6 +279,7 @@ def _common(body: dict, max_tokens: int | None) -> dict[str, Any]:
 
 def parse_chat(body: dict, max_model_len: int) -> GenerationRequest:
     """max_completion_tokens wins over the older max_tokens; both are checked when both are given."""
+    _refuse_unknown(body, CHAT_FIELDS)
     max_tokens = opt_int(body, "max_completion_tokens")
     legacy = opt_int(body, "max_tokens")
     if max_tokens is None:
@@ -276,6 +296,7 @@ def parse_chat(body: dict, max_model_len: int) -> GenerationRequest:
 
 
 def parse_completion(body: dict) -> GenerationRequest:
+    _refuse_unknown(body, COMPLETION_FIELDS)
     max_tokens = opt_int(body, "max_tokens")
     if "prompt" not in body:
         raise bad_request("prompt is required", "prompt")
