@@ -21,6 +21,26 @@ def loaded_model():
 
 
 @pytest.fixture
+def record_iterations():
+    """`stats = record_iterations(engine)`: a list that fills with the engine's IterationStats."""
+    from appliance.engine import StatsSink
+
+    class Recorder(StatsSink):
+        def __init__(self):
+            self.iterations = []
+
+        def on_iteration(self, stats):
+            self.iterations.append(stats)
+
+    def attach(engine):
+        recorder = Recorder()
+        engine.add_sink(recorder)
+        return recorder.iterations
+
+    return attach
+
+
+@pytest.fixture
 def make_engine(loaded_model):
     """Build an LLMEngine over the shared model with any knobs / cache size."""
     from appliance.engine import EngineConfig, Knobs, LLMEngine

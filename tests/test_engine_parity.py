@@ -52,11 +52,10 @@ def test_parity_all_at_once(make_engine, reference):
     assert _engine_tokens(engine) == reference
 
 
-def test_parity_multi_chunk_prefill(make_engine, reference):
+def test_parity_multi_chunk_prefill(make_engine, reference, record_iterations):
     engine = make_engine(max_num_seqs=16, max_num_batched_tokens=64, long_prefill_token_threshold=16,
                          max_num_partial_prefills=3, max_long_partial_prefills=2)
-    stats = []
-    engine.add_sink(_Collect(stats))
+    stats = record_iterations(engine)
     assert _engine_tokens(engine) == reference
     lengths = [len(engine.encode_prompt(p)) for p in PROMPTS]
     assert max(s.scheduled_tokens for s in stats) <= 64
@@ -65,12 +64,11 @@ def test_parity_multi_chunk_prefill(make_engine, reference):
     assert sum(1 for s in stats if s.prefill_tokens) >= -(-max(lengths) // 16) > 1
 
 
-def test_parity_under_preemption(make_engine, reference):
+def test_parity_under_preemption(make_engine, reference, record_iterations):
     # 10 sequences need ~95 blocks of 4 tokens at their longest; 48 forces preemption.
     engine = make_engine(num_blocks=48, block_size=4, max_num_seqs=16, max_num_batched_tokens=256,
                          long_prefill_token_threshold=256, max_num_partial_prefills=4)
-    stats = []
-    engine.add_sink(_Collect(stats))
+    stats = record_iterations(engine)
     assert _engine_tokens(engine) == reference
     assert sum(s.preemptions for s in stats) > 0
 
@@ -78,17 +76,3 @@ def test_parity_under_preemption(make_engine, reference):
 def test_static_policy_same_answers(make_engine, reference):
     engine = make_engine(max_num_seqs=4, max_num_batched_tokens=256, scheduling_policy="static")
     assert _engine_tokens(engine) == reference
-
-
-class _Collect:
-    def __init__(self, into):
-        self.into = into
-
-    def on_iteration(self, stats):
-        self.into.append(stats)
-
-    def on_request(self, stats):
-        pass
-
-    def on_knob_change(self, change):
-        pass

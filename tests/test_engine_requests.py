@@ -103,21 +103,9 @@ def test_abort_frees_blocks_and_ends_once(make_engine):
     assert not engine.has_unfinished()
 
 
-def test_static_policy_admits_nothing_mid_batch(make_engine):
+def test_static_policy_admits_nothing_mid_batch(make_engine, record_iterations):
     engine = make_engine(max_num_seqs=3, max_num_batched_tokens=256, scheduling_policy="static")
-    stats = []
-
-    class Sink:
-        def on_iteration(self, s):
-            stats.append(s)
-
-        def on_request(self, s):
-            pass
-
-        def on_knob_change(self, c):
-            pass
-
-    engine.add_sink(Sink())
+    stats = record_iterations(engine)
     lengths = [2, 9, 4, 3, 3]
     for i, n in enumerate(lengths):
         engine.add_request(f"r{i}", engine.encode_prompt(f"Item {i}:"), SamplingParams(max_tokens=n, ignore_eos=True))

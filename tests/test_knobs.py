@@ -41,21 +41,9 @@ def test_valid_change_returns_new_set():
     assert base.max_num_seqs == 64
 
 
-def test_engine_applies_at_boundary_and_never_aborts(make_engine):
+def test_engine_applies_at_boundary_and_never_aborts(make_engine, record_iterations):
     engine = make_engine(max_num_seqs=8, max_num_batched_tokens=128, long_prefill_token_threshold=64)
-    seen = []
-
-    class Sink:
-        def on_iteration(self, s):
-            seen.append(s)
-
-        def on_request(self, s):
-            pass
-
-        def on_knob_change(self, c):
-            pass
-
-    engine.add_sink(Sink())
+    seen = record_iterations(engine)
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     for i in range(6):
         engine.add_request(f"r{i}", engine.encode_prompt(f"Count to ten: {i},"), params)
