@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import contextlib
 import statistics
 
@@ -44,8 +45,10 @@ def dashboards(base_url: str, count: int):
 
 
 def one_round(base_url: str, requests) -> float:
+    """Send the workload from a thread of its own (Playwright's sync API holds this thread's loop)."""
     gen = LoadGenerator(requests, base_url=base_url, seed=0)
-    result = asyncio.run(gen.run())
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        result = pool.submit(asyncio.run, gen.run()).result()
     return result.summary.output_throughput
 
 
