@@ -60,7 +60,9 @@ def test_churn_with_cancels_knob_walks_and_preemptions(server_factory, loaded_mo
     assert given_up >= 10
     assert len(report.knob_statuses) >= 6 and set(report.knob_statuses) == {200}
     # faster than it finishes: a queue built up and the whole pool was in use
-    assert report.max_waiting >= 10 and report.max_blocks_used == 48
+    # the peak is sampled by polling /admin/state, so it may miss the very fullest iteration;
+    # the preemption counter below is the exact proof that the pool ran out
+    assert report.max_waiting >= 10 and report.max_blocks_used >= 40
     assert report.elapsed_s > 1.5 * report.sent_over_s
     assert (state["running"], state["waiting"], state["kv_blocks_used"], state["in_flight"]) == (0, 0, 0, 0)
     assert metric(metrics, "appliance:num_preemptions_total") > 0
