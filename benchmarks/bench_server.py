@@ -11,6 +11,7 @@ import sys
 import tempfile
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
@@ -25,10 +26,17 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+@dataclass
+class ServerProcess:
+    base_url: str
+    db_url: str
+    pid: int
+
+
 @contextmanager
-def appliance_server(*serve_args: str, ready_timeout_s: float = 300.0, dashboard: bool = False) -> Iterator[tuple[str, str]]:
-    """Yield (base URL, telemetry store URL) of a fresh server with its store in a temp folder
-    (the dashboard at /ui only when asked). The server's log is printed if it fails to start."""
+def server_process(*serve_args: str, ready_timeout_s: float = 300.0, dashboard: bool = False) -> Iterator[ServerProcess]:
+    """A fresh `appliance serve` with its store in a temp folder (the dashboard at /ui only when
+    asked), ready on /health; stopped by its PID afterwards. Its log is shown if it fails."""
     folder = Path(tempfile.mkdtemp(prefix="appliance-bench-"))
     db = f"sqlite:///{folder / 'telemetry.db'}"
     port = free_port()
@@ -54,7 +62,7 @@ def appliance_server(*serve_args: str, ready_timeout_s: float = 300.0, dashboard
                 raise RuntimeError(f"the server was not ready in {ready_timeout_s:g}s:\n{log_path.read_text()[-3000:]}")
             time.sleep(0.2)
         print(f"server pid {proc.pid} on {url} (log {log_path}, store {db})", file=sys.stderr)
-        yield url, db
+        yield ServerProcess(url, db, proc.pid)
     finally:
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGTERM)
@@ -63,6 +71,13 @@ def appliance_server(*serve_args: str, ready_timeout_s: float = 300.0, dashboard
             except subprocess.TimeoutExpired:
                 os.kill(proc.pid, signal.SIGKILL)
                 proc.wait(10)
+
+
+@contextmanager
+def appliance_server(*serve_args: str, ready_timeout_s: float = 300.0, dashboard: bool = False) -> Iterator[tuple[str, str]]:
+    """Yield (base URL, telemetry store URL) of a fresh `server_process`."""
+    with server_process(*serve_args, ready_timeout_s=ready_timeout_s, dashboard=dashboard) as server:
+        yield server.base_url, server.db_url
 
 
 def patch_knobs(base_url: str, knobs: dict) -> dict:

@@ -19,13 +19,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
-import signal
-import socket
-import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,8 +29,8 @@ from typing import Any
 import httpx
 
 from appliance.bench.workloads import sharegpt, skewed
+from bench_server import server_process
 
-ROOT = Path(__file__).resolve().parents[1]
 MODEL_LEN = 192
 SERVE_ARGS = ("--num-blocks", "48", "--block-size", "16", "--max-model-len", str(MODEL_LEN),
               "--max-waiting", "64")
@@ -279,12 +274,6 @@ def metric(text: str, name: str, **labels: str) -> float:
 
 
 # -- the soak -------------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def rss_mib(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -345,41 +334,12 @@ def main() -> int:
                         help="Poisson arrivals per second (above what the server finishes: ~2-3/s on 2 CPU cores)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    folder = Path(tempfile.mkdtemp(prefix="appliance-soak-"))
-    port = _free_port()
-    log_path = folder / "serve.log"
-    cmd = [sys.executable, "-m", "appliance.cli", "serve", "--dtype", "float32", "--device", "cpu",
-           "--port", str(port), "--no-dashboard", "--db", f"sqlite:///{folder / 'telemetry.db'}", *SERVE_ARGS]
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"})
-    base_url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            if proc.poll() is not None:
-                raise SystemExit(f"the server exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
-            try:
-                if httpx.get(f"{base_url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise SystemExit(f"the server did not start:\n{log_path.read_text()[-3000:]}")
-            time.sleep(0.2)
-        print(f"server pid {proc.pid} {' '.join(SERVE_ARGS)} (log {log_path})", flush=True)
+    with server_process("--dtype", "float32", "--device", "cpu", *SERVE_ARGS) as server:
+        print(f"server pid {server.pid} {' '.join(SERVE_ARGS)}", flush=True)
         started = time.monotonic()
-        code = asyncio.run(soak(args, base_url, proc.pid))
+        code = asyncio.run(soak(args, server.base_url, server.pid))
         print(f"soak took {time.monotonic() - started:.0f}s")
         return code
-    finally:
-        if proc.poll() is None:
-            os.kill(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.kill(proc.pid, signal.SIGKILL)
-
 
 if __name__ == "__main__":
     sys.exit(main())
