@@ -27,6 +27,7 @@ from ui.knobs_panel import KnobsPanel
 from ui.live_tab import LiveTab
 from ui.loadtest_tab import LoadTests, LoadTestTab, generator_factory
 from ui.runs_tab import RunsTab
+from ui.tune_panel import Sweeps, TunePanel
 
 TITLE = "Appliance dashboard"
 LOGIN_MESSAGE = "This appliance runs with an API key: log in with any user name and the key as password."
@@ -52,7 +53,8 @@ def build_dashboard(
     db = make_engine(db_url)
     tests = LoadTests(db_url, generator_factory(base_url, api_key))
     knobs, live, chat = KnobsPanel(ctx), LiveTab(ctx, db), ChatTab(ctx)
-    loadtest, runs_tab = LoadTestTab(ctx, tests), RunsTab(ctx, db)
+    tune = TunePanel(ctx, Sweeps(tests, base_url, api_key))
+    loadtest, runs_tab = LoadTestTab(ctx, tests, tune), RunsTab(ctx, db)
 
     with gr.Blocks(title=TITLE, analytics_enabled=False, fill_width=True) as blocks:
         gr.Markdown(f"## {TITLE}", elem_id="dashboard-title")

@@ -15,7 +15,7 @@ import dataclasses
 import html
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Protocol
 
 import gradio as gr
 import plotly.graph_objects as go
@@ -104,26 +104,44 @@ class Job:
     def is_ab(self) -> bool:
         return len(self.legs) > 1
 
+    def cancel(self) -> None:
+        self.cancelled = True
+        if self.generator is not None:
+            self.generator.cancel()
+
+
+class BackgroundJob(Protocol):
+    """What LoadTests needs of a job: a load test, an A/B job or a tuning sweep (ui.tune_panel)."""
+
+    done: threading.Event
+
+    def cancel(self) -> None: ...
+
 
 class LoadTests:
     """Runs at most one job at a time in a background thread with its own event loop.
 
     A single run goes through appliance.bench.runner; an A/B job through appliance.bench.ab,
-    which switches the policy with PATCH /admin/knobs and restores it afterwards.
+    which switches the policy with PATCH /admin/knobs and restores it afterwards. A tuning
+    sweep (ui.tune_panel) takes the same slot with `claim`, so Cancel stops whichever runs.
     """
 
     def __init__(self, db_url: str, make_generator: Callable[..., LoadGenerator]):
         self.db_url = db_url
         self.make_generator = make_generator
         self._lock = threading.Lock()
-        self.current: Job | None = None
+        self.current: BackgroundJob | None = None
+
+    def claim(self, job: BackgroundJob) -> None:
+        """Make `job` the current one; gr.Error while another job runs."""
+        with self._lock:
+            if self.current is not None and not self.current.done.is_set():
+                raise gr.Error("a load test or sweep is already running; cancel it or wait for it to finish")
+            self.current = job
 
     def start(self, spec: LoadSpec, ab: bool) -> Job:
         job = Job([Leg(p) for p in AB_POLICIES] if ab else [Leg("run")])
-        with self._lock:
-            if self.current is not None and not self.current.done.is_set():
-                raise gr.Error("a load test is already running; cancel it or wait for it to finish")
-            self.current = job
+        self.claim(job)
         threading.Thread(target=self._run, args=(job, spec), name="dashboard-loadtest", daemon=True).start()
         return job
 
@@ -132,9 +150,7 @@ class LoadTests:
             job = self.current
         if job is None or job.done.is_set():
             return False
-        job.cancelled = True
-        if job.generator is not None:
-            job.generator.cancel()
+        job.cancel()
         return True
 
     def _next_generator(self, job: Job, spec: LoadSpec) -> LoadGenerator:
@@ -240,9 +256,13 @@ def result_figure(job: Job) -> go.Figure:
 
 
 class LoadTestTab:
-    def __init__(self, ctx: DashboardContext, tests: LoadTests):
+    """The load-test form, its jobs and, under them, the auto-tuning sweep (`tune`: a
+    ui.tune_panel.TunePanel, which reuses the workload and arrival fields)."""
+
+    def __init__(self, ctx: DashboardContext, tests: LoadTests, tune: Any = None):
         self.ctx = ctx
         self.tests = tests
+        self.tune = tune
 
     def build(self) -> None:
         with gr.Row():
@@ -271,6 +291,8 @@ class LoadTestTab:
         self.results = gr.Dataframe(headers=RESULT_HEADERS, value=[], interactive=False,
                                     label="Results", elem_id="loadtest-results")
         self.chart = gr.Plot(elem_id="loadtest-chart", show_label=False)
+        if self.tune is not None:
+            self.tune.build()
 
     def wire(self, after: Callable[..., Any], after_outputs: list[Any]) -> None:
         """Wire the buttons; `after` runs when a job ends (e.g. refresh the runs table)."""
@@ -284,6 +306,10 @@ class LoadTestTab:
                          concurrency_limit=None).then(after, None, after_outputs,
                                                       api_name=f"{api_name}_done")
         self.cancel_button.click(self.on_cancel, None, [self.message], api_name="loadtest_cancel")
+        if self.tune is not None:
+            workload = [self.workload, self.arrival, self.rate, self.concurrency, self.max_output, self.seed,
+                        self.upload]
+            self.tune.wire(workload, self.on_cancel, after, after_outputs)
 
     def _start(self, workload: str, num_requests: float, arrival: str, rate: float, concurrency: float,
                max_output: float, seed: float, name: str, upload: str | None,
@@ -320,4 +346,7 @@ class LoadTestTab:
 
     def on_cancel(self, request: gr.Request) -> str:
         self.ctx.check(request)
-        return "Cancelling the load test…" if self.tests.cancel() else "No load test is running."
+        job = self.tests.current
+        if not self.tests.cancel():
+            return "No load test is running."
+        return "Cancelling the load test…" if isinstance(job, Job) else "Cancelling the sweep…"

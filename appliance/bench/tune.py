@@ -22,7 +22,7 @@ from typing import Any, Callable, Sequence
 
 import httpx
 
-from appliance.bench.loadgen import BenchError, LoadGenerator, fetch_knobs
+from appliance.bench.loadgen import BenchError, LoadGenerator, fetch_knobs, normalize_base_url
 from appliance.bench.metrics import SLO
 from appliance.bench.runner import run_benchmark
 from appliance.bench.workloads import BenchRequest
@@ -172,11 +172,15 @@ async def sweep(
     workload: str = "custom",
     progress: Callable[[str], None] | None = None,
     cancel: threading.Event | None = None,
+    on_point: Callable[[SweepPoint], None] | None = None,
+    on_generator: Callable[[LoadGenerator], None] | None = None,
 ) -> SweepResult:
     """Sweep the grid on the server at `base_url` (see the module docstring).
 
     BenchError when the server is not the appliance or rejects a knob change. Setting `cancel`
-    stops the sweep after the current point (the original knobs are restored).
+    stops the sweep after the current point (the original knobs are restored). `on_point` sees
+    each point as it is added (the sweep fills it in as it measures it); `on_generator` sees
+    each point's load generator before its run (to follow its progress, or cancel it mid-point).
     """
     if not 0 < attainment <= 1:
         raise ValueError(f"attainment must be within (0, 1], got {attainment}")
@@ -187,6 +191,12 @@ async def sweep(
         return LoadGenerator(requests, base_url=base_url, rate=rate, concurrency=concurrency, seed=seed,
                              max_duration_s=max_duration_s, api_key=api_key,
                              request_timeout_s=request_timeout_s, slo=slo)
+
+    def next_generator() -> LoadGenerator:
+        generator = make_generator()
+        if on_generator is not None:
+            on_generator(generator)
+        return generator
 
     base = make_generator().base_url
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -209,7 +219,9 @@ async def sweep(
                         continue
                     point = SweepPoint(knobs, stage)
                     result.points.append(point)
-                    await _measure(client, point, current, make_generator, slo, attainment, db_url, workload)
+                    if on_point is not None:
+                        on_point(point)
+                    await _measure(client, point, current, next_generator, slo, attainment, db_url, workload)
                     say(f"[{len(result.points)}] {stage} {point.label}: {_describe(point)}")
                 if stage == "coarse" and refine:
                     best = _best(result.points)
@@ -217,8 +229,7 @@ async def sweep(
                         stages.append(("refine", refine_points(grid, result.points[best].knobs)))
             _conclude(result)
             if apply and result.recommendation is not None:
-                await patch_knobs(client, result.recommendation.knobs)
-                result.applied = dict(result.recommendation.knobs)
+                await apply_recommendation(client, result)
                 applied = True
         except _Stopped:
             _conclude(result)
@@ -232,6 +243,30 @@ async def sweep(
 def run_sweep(requests: Sequence[BenchRequest], slo: SLO, **options: Any) -> SweepResult:
     """`sweep` from synchronous code (the CLI, the dashboard's worker threads)."""
     return asyncio.run(sweep(requests, slo, **options))
+
+
+async def apply_recommendation(client: httpx.AsyncClient, result: SweepResult) -> dict[str, Any]:
+    """Set the sweep's recommended knobs on the server (what `--apply` does); return the knobs
+    view the server answers with. BenchError when nothing is recommended or the server refuses."""
+    rec = result.recommendation
+    if rec is None:
+        raise BenchError("no point met the SLO: there is no recommendation to apply")
+    view = await patch_knobs(client, rec.knobs)
+    result.applied = dict(rec.knobs)
+    return view
+
+
+def apply_recommendation_at(result: SweepResult, base_url: str, api_key: str | None = None) -> dict[str, Any]:
+    """`apply_recommendation` on the server at `base_url`, from synchronous code (the dashboard's
+    Apply button, after a sweep that left the original knobs in place)."""
+
+    async def go() -> dict[str, Any]:
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        async with httpx.AsyncClient(base_url=normalize_base_url(base_url), headers=headers,
+                                     timeout=60.0) as client:
+            return await apply_recommendation(client, result)
+
+    return asyncio.run(go())
 
 
 async def patch_knobs(client: httpx.AsyncClient, knobs: dict[str, Any]) -> dict[str, Any]:

@@ -94,15 +94,18 @@ def _html(result: SweepResult) -> str:
     page = h.Page(f"{TITLE}: {result.workload}")
     page.heading(1, f"{TITLE}: {result.workload}")
     page.add(h.bullet_list(summary_lines(result), "findings"))
-    charts = [page.chart(_pareto_figure(result, "ttft_p99", result.pareto_ttft, "P99 TTFT")),
-              page.chart(_pareto_figure(result, "itl_p99", result.pareto_itl, "P99 ITL"))]
+    charts = [page.chart(pareto_figure(result, "ttft_p99", result.pareto_ttft, "P99 TTFT")),
+              page.chart(pareto_figure(result, "itl_p99", result.pareto_itl, "P99 ITL"))]
     page.add(f'<div class="grid">{"".join(charts)}</div>')
     page.heading(2, "Grid points")
     page.add(h.table(HEADERS, _rows(result)))
     return page.render()
 
 
-def _pareto_figure(result: SweepResult, latency: str, front: list[int], label: str) -> Any:
+def pareto_figure(result: SweepResult, latency: str, front: list[int], label: str) -> Any:
+    """Output throughput against `latency` ("ttft_p99" or "itl_p99") of every measured point,
+    the points of `front` ringed and joined as the Pareto front, the recommendation starred
+    (the report's charts and the dashboard's sweep chart)."""
     measured = [(i, p) for i, p in enumerate(result.points)
                 if p.status == "ok" and getattr(p, latency) is not None]
     fig = go.Figure()
@@ -115,7 +118,10 @@ def _pareto_figure(result: SweepResult, latency: str, front: list[int], label: s
     fig.add_trace(go.Scatter(
         x=[getattr(result.points[i], latency) * 1000 for i in ordered],
         y=[result.points[i].output_throughput for i in ordered],
-        mode="lines", name="Pareto front", line={"color": "#1f77b4", "shape": "hv"}))
+        mode="lines+markers", name="Pareto front", line={"color": "#1f77b4", "shape": "hv"},
+        marker={"symbol": "circle-open", "size": 15, "line": {"width": 2}, "color": "#1f77b4"},
+        text=[result.points[i].label for i in ordered],
+        hovertemplate="front: %{text}<br>%{x:.0f} ms, %{y:.1f} tok/s<extra></extra>"))
     if result.recommended is not None:
         rec = result.points[result.recommended]
         if getattr(rec, latency) is not None:
