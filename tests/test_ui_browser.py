@@ -222,6 +222,47 @@ def test_small_load_test_finishes_in_the_runs_table_and_exports_a_report(server,
     shutil.copyfile(ARTIFACTS / "ui-live-after-load.png", ROOT / "docs" / "dashboard.png")
 
 
+def test_a_tiny_sweep_in_the_browser_charts_its_front_and_applies_the_recommendation(server, page):
+    open_tab(page, "Load test")
+    page.locator("#loadtest-max-output input").fill("4")
+    page.locator("#tune-max-num-seqs textarea").fill("1,4")
+    page.locator("#tune-budgets textarea").fill("64")
+    page.locator("#tune-chunks textarea").fill("32")
+    page.locator("#tune-per-point input").fill("2")
+    page.locator("#tune-slo textarea").fill("ttft=60s")
+    page.locator("#tune-refine input").uncheck()
+    page.locator("#tune-format label", has_text="Markdown").click()
+    before = knobs(server)["knobs"]
+    page.locator("#tune-run").click()
+    page.wait_for_selector("#tune-state[data-state='running']", timeout=30_000)
+    page.wait_for_selector("#tune-state[data-state='finished']", timeout=120_000)
+    assert knobs(server)["knobs"] == before  # the sweep restored the knobs
+    table = page.locator("#tune-points").text_content()
+    assert "coarse" in table and "TTFT" in table and "recommended" in table
+    page.wait_for_selector("#tune-chart .main-svg", timeout=30_000)
+    legend = page.locator("#tune-chart .legendtext").all_text_contents()
+    assert "grid points" in legend and "Pareto front" in legend
+    recommendation = page.locator("#tune-recommendation").text_content()
+    assert "Recommended: seqs=" in recommendation
+    link = page.locator("#tune-report a").first
+    link.wait_for(timeout=30_000)
+    with page.expect_download() as download:
+        link.click()
+    path = ARTIFACTS / "sweep-report.md"
+    download.value.save_as(path)
+    assert path.read_text().startswith("# Tuning sweep")
+    page.screenshot(path=str(ARTIFACTS / "ui-sweep.png"), full_page=True)
+
+    page.wait_for_function("() => !document.querySelector('#tune-apply')?.disabled", timeout=10_000)
+    page.locator("#tune-apply").click()
+    page.wait_for_function("() => document.querySelector('#tune-message')?.textContent.includes('Applied')",
+                           timeout=15_000)
+    seqs = int(recommendation.split("seqs=")[1].split()[0])
+    after = knobs(server)["knobs"]
+    assert (after["max_num_seqs"], after["max_num_batched_tokens"], after["long_prefill_token_threshold"]) == (
+        seqs, 64, 32)
+
+
 def test_with_an_api_key_the_browser_logs_in_and_never_sees_the_key(loaded_model, tmp_path, browser):
     from conftest import serve_dashboard
 
