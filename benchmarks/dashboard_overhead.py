@@ -1,8 +1,22 @@
 """Does watching slow serving? Engine throughput with two live dashboards open vs none.
 
 One server (dashboard mounted at /ui), one workload (skewed, all at once, forced lengths), sent
-alternately with no browser and with two headless Chromium pages on the Live tab (charts
-refreshing every second), in one run. Prints output tok/s of each round and the ratio.
+in alternating rounds in one run, each round in three modes:
+
+- `none`: nobody watches;
+- `viewers`: two simulated viewers, no browser: each calls the Live tab's refresh endpoint
+  (`/ui/gradio_api/call/live_refresh`, the handler the browser's timer runs) once a second over
+  plain HTTP and reads the whole answer. This is the server-side share of watching: the telemetry
+  queries, the figures, Gradio's queue and the JSON on the wire, in the server process;
+- `browsers`: two headless Chromium pages on the Live tab (charts refreshing by themselves).
+
+Prints output tok/s of each round, the mean per mode and its ratio to `none`, and the CPU
+seconds that the server process, the browsers and this script (load generator and simulated
+viewers) used per second of each mode (from /proc: Linux only).
+
+On this 2-core box the browsers (and this script) share the server's cores, so the `browsers`
+figure also counts Chromium's own rendering against the engine; an operator's browser normally
+runs on another machine, where only the server-side share (`viewers`) would remain.
 
     .venv/bin/python benchmarks/dashboard_overhead.py [--num-requests 32] [--rounds 2]
 """
@@ -13,23 +27,77 @@ import argparse
 import asyncio
 import concurrent.futures
 import contextlib
+import json
+import os
 import statistics
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
 
-from bench_server import appliance_server
+import httpx
+from bench_server import server_process
 
 from appliance.bench.loadgen import LoadGenerator
 from appliance.bench.workloads import skewed
 
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+MODES = ("none", "viewers", "browsers")
+VIEWERS = 2
+REFRESH_S = 1.0
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+# ------------------------------------------------------------------------------ CPU accounting
+
+
+def _stat(pid: int) -> tuple[int, float] | None:
+    """(parent pid, user + system CPU seconds) of a live process, from /proc/PID/stat."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = raw[raw.rindex(")") + 2:].split()  # after "pid (comm) "
+    return int(fields[1]), (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
+def process_cpu_s(pid: int) -> float:
+    stat = _stat(pid)
+    return stat[1] if stat else 0.0
+
+
+def descendants_cpu_s(root: int, skip: set[int]) -> float:
+    """CPU seconds of the live descendants of `root` (not counting `skip`): the Playwright driver
+    and the Chromium processes it started."""
+    parents: dict[int, int] = {}
+    cpu: dict[int, float] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            stat = _stat(int(entry))
+            if stat:
+                parents[int(entry)], cpu[int(entry)] = stat
+    total = 0.0
+    for pid in cpu:
+        p, seen = pid, 0
+        while p in parents and p != root and seen < 64:
+            p, seen = parents[p], seen + 1
+        if p == root and pid != root and pid not in skip:
+            total += cpu[pid]
+    return total
+
+
+def own_cpu_s() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+# ------------------------------------------------------------------------------------ watchers
 
 
 @contextlib.contextmanager
-def dashboards(base_url: str, count: int):
-    """`count` Chromium pages showing the Live tab (none when count is 0)."""
-    if count == 0:
-        yield
-        return
+def browsers(ui_url: str, count: int):
+    """`count` Chromium pages showing the Live tab."""
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:
@@ -37,11 +105,70 @@ def dashboards(base_url: str, count: int):
         try:
             for _ in range(count):
                 page = browser.new_page()
-                page.goto(f"{base_url}/ui/")
-                page.wait_for_selector(".main-svg", timeout=120_000)
+                page.goto(ui_url)
+                page.wait_for_selector("#chart-running .main-svg", timeout=120_000)
             yield
         finally:
             browser.close()
+
+
+@dataclass
+class ViewerStats:
+    calls: int = 0
+    errors: list[str] = field(default_factory=list)
+    latencies: list[float] = field(default_factory=list)
+    answer_bytes: int = 0
+
+
+def refresh_once(client: httpx.Client, ui_url: str) -> int:
+    """One call of the Live refresh through Gradio's HTTP API; the size of the answer."""
+    response = client.post(f"{ui_url}gradio_api/call/live_refresh", json={"data": ["1m", False]})
+    response.raise_for_status()
+    event_id = response.json()["event_id"]
+    response = client.get(f"{ui_url}gradio_api/call/live_refresh/{event_id}")
+    response.raise_for_status()
+    text = response.text
+    if "event: complete" not in text:
+        raise RuntimeError(f"refresh did not complete: {text[:300]}")
+    data = json.loads(text.split("event: complete", 1)[1].split("data:", 1)[1].strip().splitlines()[0])
+    if len(data) != 10:
+        raise RuntimeError(f"refresh answered {len(data)} outputs, expected 10")
+    return len(text)
+
+
+@contextlib.contextmanager
+def viewers(ui_url: str, count: int):
+    """`count` threads, each calling the Live refresh once a second (like the browser's timer)."""
+    stop = threading.Event()
+    stats = ViewerStats()
+
+    def loop(offset: float) -> None:
+        with httpx.Client(timeout=30.0) as client:
+            time.sleep(offset)
+            next_at = time.monotonic()
+            while not stop.is_set():
+                started = time.monotonic()
+                try:
+                    stats.answer_bytes += refresh_once(client, ui_url)
+                    stats.latencies.append(time.monotonic() - started)
+                except (httpx.HTTPError, RuntimeError, ValueError) as exc:
+                    stats.errors.append(f"{type(exc).__name__}: {exc}")
+                stats.calls += 1
+                next_at = max(next_at + REFRESH_S, time.monotonic())
+                stop.wait(next_at - time.monotonic())
+
+    threads = [threading.Thread(target=loop, args=(i * REFRESH_S / count,), daemon=True) for i in range(count)]
+    for t in threads:
+        t.start()
+    try:
+        yield stats
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(60)
+
+
+# -------------------------------------------------------------------------------------- rounds
 
 
 def one_round(base_url: str, requests) -> float:
@@ -52,6 +179,42 @@ def one_round(base_url: str, requests) -> float:
     return result.summary.output_throughput
 
 
+@dataclass
+class Round:
+    mode: str
+    tok_s: float
+    wall_s: float
+    server_cpu_s: float
+    browser_cpu_s: float
+    script_cpu_s: float
+    note: str = ""
+
+
+def measured_round(server, ui_url: str, mode: str, requests) -> Round:
+    me = os.getpid()
+    with contextlib.ExitStack() as stack:
+        watching = None
+        if mode == "browsers":
+            stack.enter_context(browsers(ui_url, VIEWERS))
+        elif mode == "viewers":
+            watching = stack.enter_context(viewers(ui_url, VIEWERS))
+        server0, browser0, own0 = (process_cpu_s(server.pid), descendants_cpu_s(me, {server.pid}),
+                                   own_cpu_s())
+        started = time.monotonic()
+        rate = one_round(server.base_url, requests)
+        wall = time.monotonic() - started
+        server1, browser1, own1 = (process_cpu_s(server.pid), descendants_cpu_s(me, {server.pid}),
+                                   own_cpu_s())
+    note = ""
+    if watching is not None:
+        lat = sorted(watching.latencies) or [0.0]
+        note = (f"{watching.calls} refreshes, {len(watching.errors)} failed, latency p50 "
+                f"{1000 * lat[len(lat) // 2]:.0f} ms, {watching.answer_bytes / max(watching.calls, 1) / 1024:.0f} KiB each")
+        if watching.errors:
+            note += f" (first: {watching.errors[0][:120]})"
+    return Round(mode, rate, wall, server1 - server0, browser1 - browser0, own1 - own0, note)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--num-requests", type=int, default=32)
@@ -59,18 +222,31 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     args = ap.parse_args()
     requests = skewed(args.num_requests, 0)
-    rates: dict[int, list[float]] = {0: [], 2: []}
-    with appliance_server("--dtype", args.dtype, "--max-num-seqs", "64", dashboard=True) as (url, _db):
-        one_round(url, requests[:4])  # warm-up
+    results: list[Round] = []
+    with server_process("--dtype", args.dtype, "--max-num-seqs", "64", dashboard=True) as server:
+        ui_url = f"{server.base_url}/ui/"
+        one_round(server.base_url, requests[:4])  # warm-up: the engine
+        with httpx.Client(timeout=60.0) as client:
+            refresh_once(client, ui_url)  # and the dashboard's refresh path
         for rnd in range(args.rounds):
-            for count in (0, 2) if rnd % 2 == 0 else (2, 0):
-                with dashboards(url, count):
-                    rate = one_round(url, requests)
-                rates[count].append(rate)
-                print(f"round {rnd + 1}, {count} dashboards open: {rate:.1f} output tok/s", flush=True)
-    none, two = statistics.mean(rates[0]), statistics.mean(rates[2])
-    print(f"\nno dashboard {none:.1f} tok/s, two dashboards {two:.1f} tok/s: ratio {two / none:.3f} "
-          f"({100 * (1 - two / none):+.1f} % loss)")
+            order = MODES if rnd % 2 == 0 else tuple(reversed(MODES))
+            for mode in order:
+                r = measured_round(server, ui_url, mode, requests)
+                results.append(r)
+                print(f"round {rnd + 1}, {mode:8s}: {r.tok_s:5.1f} output tok/s in {r.wall_s:5.1f} s; CPU s per s: "
+                      f"server {r.server_cpu_s / r.wall_s:.2f}, browsers {r.browser_cpu_s / r.wall_s:.2f}, "
+                      f"script {r.script_cpu_s / r.wall_s:.2f}" + (f"; {r.note}" if r.note else ""), flush=True)
+    print()
+    base = statistics.mean(r.tok_s for r in results if r.mode == "none")
+    for mode in MODES:
+        rounds = [r for r in results if r.mode == mode]
+        rate = statistics.mean(r.tok_s for r in rounds)
+        wall = sum(r.wall_s for r in rounds)
+        cpu = {k: sum(getattr(r, f"{k}_cpu_s") for r in rounds) / wall for k in ("server", "browser", "script")}
+        label = {"none": "no dashboard", "viewers": f"{VIEWERS} simulated viewers (server-side share)",
+                 "browsers": f"{VIEWERS} Chromium dashboards (server + browsers)"}[mode]
+        print(f"{label:45s} {rate:6.1f} tok/s  ratio {rate / base:.3f} ({100 * (1 - rate / base):+5.1f} % loss)  "
+              f"CPU s/s: server {cpu['server']:.2f}, browsers {cpu['browser']:.2f}, script {cpu['script']:.2f}")
 
 
 if __name__ == "__main__":
