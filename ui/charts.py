@@ -43,6 +43,12 @@ def when(t: float) -> datetime:
     return datetime.fromtimestamp(t)
 
 
+def stamp(t: float) -> str:
+    """Epoch seconds as the local time string plotly reads on a date axis (what `when` gives
+    once serialised), to the millisecond: "2026-11-29 16:11:02.500"."""
+    return datetime.fromtimestamp(t).isoformat(sep=" ", timespec="milliseconds")
+
+
 def change_label(change: dict[str, Any]) -> str:
     """'v3: max_num_seqs 64→16, scheduling_policy continuous→static'."""
     old, new = change.get("old") or {}, change.get("new") or {}
@@ -50,47 +56,61 @@ def change_label(change: dict[str, Any]) -> str:
     return f"v{change.get('version')}: " + (", ".join(parts) or "no change")
 
 
-def time_figure(title: str, yaxis_title: str, since: float, until: float) -> go.Figure:
-    # The Live charts are rebuilt every second beside the engine: skip plotly's per-property
-    # validation (about 3x faster; the traces below are plain, known-good dicts).
-    return go.Figure(layout=layout(title, yaxis_title, xaxis={"range": [when(since), when(until)], "type": "date"},
-                                   yaxis={"rangemode": "tozero"}), _validate=False)
-
-
-def mark_knob_changes(fig: go.Figure, changes: Sequence[dict[str, Any]]) -> go.Figure:
-    """Draw each change as a dashed vertical line. The newest LABELLED changes carry their label
-    (cut at LABEL_CHARS); older ones show their version, with the whole label on hover."""
+def knob_marks(changes: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(shapes, annotations) as plain layout dicts: each change a dashed vertical line. The
+    newest LABELLED changes carry their label (cut at LABEL_CHARS); older ones show their
+    version, with the whole label on hover."""
+    shapes, annotations = [], []
     for i, change in enumerate(changes):
-        x = when(change["applied_at"])
+        x = stamp(change["applied_at"])
         label = change_label(change)
         newest = i >= len(changes) - LABELLED
         text = label if len(label) <= LABEL_CHARS else label[:LABEL_CHARS - 1] + "…"
-        fig.add_shape(type="line", x0=x, x1=x, xref="x", y0=0, y1=1, yref="paper",
-                      line=dict(color="#6b7280", width=1, dash="dash"))
-        fig.add_annotation(x=x, xref="x", y=1 - 0.1 * ((len(changes) - 1 - i) % LABELLED), yref="paper",
-                           text=text if newest else f"v{change.get('version')}", hovertext=label,
-                           showarrow=False, xanchor="left", yanchor="top", font=dict(size=9, color="#374151"),
-                           bgcolor="rgba(255,255,255,0.8)")
+        shapes.append(dict(type="line", x0=x, x1=x, xref="x", y0=0, y1=1, yref="paper",
+                           line=dict(color="#6b7280", width=1, dash="dash")))
+        annotations.append(dict(x=x, xref="x", y=1 - 0.1 * ((len(changes) - 1 - i) % LABELLED), yref="paper",
+                                text=text if newest else f"v{change.get('version')}", hovertext=label,
+                                showarrow=False, xanchor="left", yanchor="top",
+                                font=dict(size=9, color="#374151"), bgcolor="rgba(255,255,255,0.8)"))
+    return shapes, annotations
+
+
+def mark_knob_changes(fig: go.Figure, changes: Sequence[dict[str, Any]]) -> go.Figure:
+    """Draw `knob_marks(changes)` on `fig`."""
+    shapes, annotations = knob_marks(changes)
+    for shape in shapes:
+        fig.add_shape(**shape)
+    for annotation in annotations:
+        fig.add_annotation(**annotation)
     return fig
 
 
-def line(fig: go.Figure, times: Sequence[float], values: Sequence[float | None], name: str, color: str,
-         *, dash: str | None = None, shape: str = "linear", fill: str | None = None,
-         width: float = 2, stackgroup: str | None = None,
-         markers: bool = False) -> None:
-    trace = dict(type="scatter", x=[when(t) for t in times], y=list(values), name=name,
-                 mode="lines+markers" if markers else "lines",
-                 line=dict(color=color, dash=dash, shape=shape, width=width))
+def trace(x: Sequence[Any], y: Sequence[float | None], name: str, color: str, *, dash: str | None = None,
+          shape: str = "linear", fill: str | None = None, width: float = 2, stackgroup: str | None = None,
+          markers: bool = False) -> dict[str, Any]:
+    """A scatter line as a plain plotly dict."""
+    line_style: dict[str, Any] = dict(color=color, width=width)
+    if dash:
+        line_style["dash"] = dash
+    if shape != "linear":
+        line_style["shape"] = shape
+    out = dict(type="scatter", x=list(x), y=list(y), name=name, mode="lines+markers" if markers else "lines",
+               line=line_style)
     if fill:
-        trace["fill"] = fill
+        out["fill"] = fill
     if stackgroup:
-        trace["stackgroup"] = stackgroup
-    fig.add_trace(trace)
+        out["stackgroup"] = stackgroup
+    return out
+
+
+def note(text: str) -> dict[str, Any]:
+    """A grey annotation in the middle of a chart, as a layout dict."""
+    return dict(text=text, xref="paper", yref="paper", x=0.5, y=0.5, showarrow=False,
+                font=dict(size=12, color="#9ca3af"))
 
 
 def empty_note(fig: go.Figure, text: str = "no data in this window") -> go.Figure:
-    fig.add_annotation(text=text, xref="paper", yref="paper", x=0.5, y=0.5, showarrow=False,
-                       font=dict(size=12, color="#9ca3af"))
+    fig.add_annotation(**note(text))
     return fig
 
 

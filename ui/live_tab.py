@@ -2,18 +2,28 @@
 
 Series come from appliance.telemetry.queries (iteration rows, request latencies, knob
 timeline); the headline's current state from GET /admin/state and /admin/knobs.
+
+Watching must not slow serving: the Live data is computed once per tick and window for every
+session together (LiveCache: one API read, four queries and one figure build a second however
+many dashboards are open), the figures are plain dicts serialised once, a session is sent only
+the outputs that changed since its last tick, and its timer slows down (up to IDLE_REFRESH_S)
+while nothing changes and returns to REFRESH_S as soon as something does.
 """
 
 from __future__ import annotations
 
 import html
+import json
+import math
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import gradio as gr
 import plotly.graph_objects as go
-from plotly.subplots import make_subplots
+from gradio.components.plot import PlotData
 from sqlalchemy.exc import SQLAlchemyError
 
 from appliance.telemetry import queries, runs
@@ -22,8 +32,10 @@ from ui import charts
 from ui.api_client import ApiError
 from ui.context import DashboardContext
 from ui.knobs_panel import effective_markdown
+from ui.live_plot import LivePlot
 
 REFRESH_S = 1.0
+IDLE_REFRESH_S = 4.0  # the slowest a session's refresh gets while nothing changes
 WINDOWS = {"1m": 60.0, "5m": 300.0, "1h": 3600.0}
 WINDOW_CHOICES = [("1 min", "1m"), ("5 min", "5m"), ("1 h", "1h")]
 RUN_PREFIX = "run:"
@@ -57,7 +69,9 @@ class LiveData:
 
 
 def resolve_window(db: Any, choice: str | None, now: float | None = None) -> Window:
-    """A window choice ("1m", "5m", "1h" or "run:<id>") as times."""
+    """A window choice ("1m", "5m", "1h" or "run:<id>") as times. A sliding window ends at the
+    next multiple of its bucket width (its span / SERIES_POINTS), so its buckets stay put from
+    one tick to the next and only the newest change."""
     now = time.time() if now is None else now
     choice = choice or "1m"
     if choice.startswith(RUN_PREFIX):
@@ -70,7 +84,9 @@ def resolve_window(db: Any, choice: str | None, now: float | None = None) -> Win
                       f"run {run['name']}")
     if choice not in WINDOWS:
         raise gr.Error(f"unknown window {choice!r}")
-    return Window(now - WINDOWS[choice], now, None, dict((v, k) for k, v in WINDOW_CHOICES)[choice])
+    step = WINDOWS[choice] / SERIES_POINTS[choice]
+    until = math.ceil(now / step) * step
+    return Window(until - WINDOWS[choice], until, None, dict((v, k) for k, v in WINDOW_CHOICES)[choice])
 
 
 def window_choices(db: Any, limit: int = 20) -> list[tuple[str, str]]:
@@ -80,14 +96,16 @@ def window_choices(db: Any, limit: int = 20) -> list[tuple[str, str]]:
 
 
 def fetch(db: Any, window: Window, choice: str) -> LiveData:
+    """Every series of the Live charts over `window`: the iteration columns in ONE downsampled
+    query, the latency percentiles (LATENCY_POINTS buckets) and the knob changes."""
     points = RUN_POINTS if window.run_id else SERIES_POINTS.get(choice, 300)
-    series = {
-        column: queries.iteration_series(db, column, window.since, window.until, points=points)
-        for column in SERIES
-    }
+    series = queries.iteration_series_many(db, SERIES, window.since, window.until, points=points)
+    # latency buckets on a grid of their own width, so they stay put as a window slides
+    width = (window.until - window.since) / LATENCY_POINTS
+    since = window.since if window.run_id else math.floor(window.since / width) * width
     latency = {
-        metric: queries.latency_series(db, metric, window.since, window.until, run_id=window.run_id,
-                                       points=LATENCY_POINTS)
+        metric: queries.latency_series(db, metric, since, since + width * (LATENCY_POINTS + 1), run_id=window.run_id,
+                                       points=LATENCY_POINTS + 1)
         for metric in ("ttft", "itl")
     }
     changes = queries.knob_timeline(db, window.since, window.until)
@@ -110,82 +128,112 @@ def _xy(s: Series, stat: str, scale: float = 1.0, gaps: bool = True) -> tuple[li
     return xs, ys
 
 
-def build_figures(data: LiveData) -> list[go.Figure]:
-    """The Live tab's charts, in CHART_IDS order."""
+class _Stamps:
+    """Epoch seconds as plotly date strings, each formatted once per figure build."""
+
+    def __init__(self) -> None:
+        self._cache: dict[float, str] = {}
+
+    def __call__(self, times: list[float]) -> list[str]:
+        cache = self._cache
+        out = []
+        for t in times:
+            text = cache.get(t)
+            if text is None:
+                text = cache[t] = charts.stamp(t)
+            out.append(text)
+        return out
+
+
+def _round(values: list[float | None]) -> list[float | None]:
+    """4 decimals are plenty for a chart and keep the JSON small (and no NaN reaches it)."""
+    return [round(v, 4) if v is not None and math.isfinite(v) else None for v in values]
+
+
+def figure_specs(data: LiveData) -> list[dict[str, Any]]:
+    """The Live tab's charts as plain plotly JSON dicts (data + layout), in CHART_IDS order.
+
+    Built without plotly's Python objects: they are rebuilt every tick beside the engine, and
+    validating and serialising graph objects cost ~20x more than these dicts and json.dumps."""
     w, s = data.window, data.series
-    figs = []
+    stamps = _Stamps()
+    x_range = [charts.stamp(w.since), charts.stamp(w.until)]
+    shapes, annotations = charts.knob_marks(data.changes)
 
-    def new(title: str, ytitle: str) -> go.Figure:
-        return charts.time_figure(f"{title} — {w.label}", ytitle, w.since, w.until)
+    def figure(title: str, ytitle: str, traces: list[dict[str, Any]], has_data: bool,
+               **axes: Any) -> dict[str, Any]:
+        layout = charts.layout(f"{title} — {w.label}", ytitle, xaxis={"range": x_range, "type": "date"},
+                               yaxis={"rangemode": "tozero", **axes.pop("yaxis", {})}, **axes)
+        layout["shapes"] = shapes
+        layout["annotations"] = annotations + ([charts.note(NO_DATA)] if not has_data else [])
+        return {"data": traces, "layout": layout}
 
-    fig = new("Running vs max_num_seqs", "sequences")
-    charts.line(fig, *_xy(s["running"], "mean"), "running (mean)", charts.COLORS[0])
-    charts.line(fig, *_xy(s["running"], "max"), "running (max)", charts.COLORS[0], dash="dot", width=1)
-    charts.line(fig, *_xy(s["max_num_seqs"], "max", gaps=False), "max_num_seqs", charts.COLORS[1], shape="hv")
-    figs.append(fig)
+    def line(xy: tuple[list[float], list[float | None]], name: str, color: str, **style: Any) -> dict[str, Any]:
+        return charts.trace(stamps(xy[0]), _round(xy[1]), name, color, **style)
 
-    fig = new("Waiting queue depth", "requests")
-    charts.line(fig, *_xy(s["waiting"], "mean"), "waiting (mean)", charts.COLORS[4], fill="tozeroy")
-    charts.line(fig, *_xy(s["waiting"], "max"), "waiting (max)", charts.COLORS[4], dash="dot", width=1)
-    figs.append(fig)
+    iterations = bool(s["running"].points)
+    figs = [
+        figure("Running vs max_num_seqs", "sequences", [
+            line(_xy(s["running"], "mean"), "running (mean)", charts.COLORS[0]),
+            line(_xy(s["running"], "max"), "running (max)", charts.COLORS[0], dash="dot", width=1),
+            line(_xy(s["max_num_seqs"], "max", gaps=False), "max_num_seqs", charts.COLORS[1], shape="hv"),
+        ], iterations),
+        figure("Waiting queue depth", "requests", [
+            line(_xy(s["waiting"], "mean"), "waiting (mean)", charts.COLORS[4], fill="tozeroy"),
+            line(_xy(s["waiting"], "max"), "waiting (max)", charts.COLORS[4], dash="dot", width=1),
+        ], iterations),
+    ]
 
-    figs.append(_kv_figure(data))
+    used, total = s["kv_blocks_used"], s["kv_blocks_total"]
+    blocks = max((p.max for p in total.points), default=0.0)
+    pct = line(_xy(used, "mean", 100 / blocks if blocks else 0.0), "used % (mean)", charts.COLORS[3],
+               fill="tozeroy")
+    most = line(_xy(used, "max"), "blocks used (max)", charts.COLORS[3], dash="dot", width=1)
+    most["yaxis"] = "y2"
+    figs.append(figure("KV block usage", "% of KV blocks", [pct, most], iterations,
+                       yaxis={"range": [0, 100], "rangemode": "normal"},
+                       yaxis2={"title": {"text": f"blocks (of {int(blocks)})"}, "range": [0, blocks or 1],
+                               "overlaying": "y", "side": "right", "showgrid": False, "zeroline": False, "tickmode": "auto"},
+                       margin={**charts.LAYOUT["margin"], "r": 60}))
 
-    fig = new("Tokens per iteration vs token budget", "tokens / iteration")
-    charts.line(fig, *_xy(s["decode_tokens"], "mean"), "decode", charts.COLORS[2], stackgroup="work")
-    charts.line(fig, *_xy(s["prefill_tokens"], "mean"), "prefill", charts.COLORS[3], stackgroup="work")
+    work = [line(_xy(s["decode_tokens"], "mean"), "decode", charts.COLORS[2], stackgroup="work"),
+            line(_xy(s["prefill_tokens"], "mean"), "prefill", charts.COLORS[3], stackgroup="work")]
     if any(p.max > 0 for p in s["padding_tokens"].points):
-        charts.line(fig, *_xy(s["padding_tokens"], "mean"), "padding (static)", "#9ca3af", stackgroup="work")
-    charts.line(fig, *_xy(s["token_budget"], "max", gaps=False), "max_num_batched_tokens", charts.COLORS[1],
-                shape="hv")
-    figs.append(fig)
+        work.append(line(_xy(s["padding_tokens"], "mean"), "padding (static)", "#9ca3af", stackgroup="work"))
+    work.append(line(_xy(s["token_budget"], "max", gaps=False), "max_num_batched_tokens", charts.COLORS[1],
+                     shape="hv"))
+    figs.append(figure("Tokens per iteration vs token budget", "tokens / iteration", work, iterations))
 
-    fig = new("Step time", "ms")
-    charts.line(fig, *_xy(s["duration_s"], "mean", 1000), "mean", charts.COLORS[5])
-    charts.line(fig, *_xy(s["duration_s"], "max", 1000), "max", charts.COLORS[5], dash="dot", width=1)
-    figs.append(fig)
+    figs.append(figure("Step time", "ms", [
+        line(_xy(s["duration_s"], "mean", 1000), "mean", charts.COLORS[5]),
+        line(_xy(s["duration_s"], "max", 1000), "max", charts.COLORS[5], dash="dot", width=1),
+    ], iterations))
 
-    fig = new("Output tokens/s", "tokens/s")
     dec = s["decode_tokens"]
-    charts.line(fig, *_xy(dec, "sum", 1 / dec.bucket_s), "output tokens/s", charts.COLORS[2], fill="tozeroy")
-    figs.append(fig)
+    figs.append(figure("Output tokens/s", "tokens/s", [
+        line(_xy(dec, "sum", 1 / dec.bucket_s), "output tokens/s", charts.COLORS[2], fill="tozeroy"),
+    ], iterations))
 
     for title, points in (("TTFT percentiles", data.ttft), ("Inter-token latency percentiles", data.itl)):
-        fig = new(title, "ms")
         times = [p.t for p in points]
-        for i, q in enumerate(("p50", "p90", "p99")):
-            charts.line(fig, times, [p.quantiles[q] * 1000 for p in points], q, charts.COLORS[i],
-                        markers=True)
-        figs.append(fig)
-
-    for fig, has_data in zip(figs, _has_data(data)):
-        charts.mark_knob_changes(fig, data.changes)
-        if not has_data:
-            charts.empty_note(fig)
+        figs.append(figure(title, "ms", [
+            line((times, [p.quantiles[q] * 1000 for p in points]), q, charts.COLORS[i], markers=True)
+            for i, q in enumerate(("p50", "p90", "p99"))
+        ], bool(points)))
     return figs
 
 
-def _has_data(data: LiveData) -> list[bool]:
-    iterations = bool(data.series["running"].points)
-    return [iterations] * 6 + [bool(data.ttft), bool(data.itl)]
+NO_DATA = "no data in this window"
 
 
-def _kv_figure(data: LiveData) -> go.Figure:
-    w, used, total = data.window, data.series["kv_blocks_used"], data.series["kv_blocks_total"]
-    blocks = max((p.max for p in total.points), default=0.0)
-    fig = make_subplots(specs=[[{"secondary_y": True}]])
-    fig.update_layout(charts.layout(f"KV block usage — {w.label}", xaxis={
-        "range": [charts.when(w.since), charts.when(w.until)], "type": "date"}))
-    times, pct = _xy(used, "mean", 100 / blocks if blocks else 0.0)
-    times = [charts.when(t) for t in times]
-    fig.add_trace(go.Scatter(x=times, y=pct, name="used % (mean)", mode="lines", fill="tozeroy",
-                             line=dict(color=charts.COLORS[3], width=2)), secondary_y=False)
-    fig.add_trace(go.Scatter(x=times, y=_xy(used, "max")[1], name="blocks used (max)", mode="lines",
-                             line=dict(color=charts.COLORS[3], width=1, dash="dot")), secondary_y=True)
-    fig.update_yaxes(title_text="% of KV blocks", range=[0, 100], secondary_y=False)
-    fig.update_yaxes(title_text=f"blocks (of {int(blocks)})", range=[0, blocks or 1], secondary_y=True,
-                     showgrid=False)
-    return fig
+def build_figures(data: LiveData) -> list[go.Figure]:
+    """`figure_specs` as plotly Figures (for callers that want graph objects; validated)."""
+    return [go.Figure(spec) for spec in figure_specs(data)]
+
+
+def plot_data(spec: dict[str, Any]) -> PlotData:
+    """A figure as gr.Plot's payload, serialised once (gr.Plot passes PlotData through)."""
+    return PlotData(type="plotly", plot=json.dumps(spec, separators=(",", ":"), allow_nan=False))
 
 
 # ---------------------------------------------------------------------------------- headline
@@ -228,10 +276,70 @@ def headline_html(state: dict[str, Any] | None, knobs: dict[str, Any] | None, to
     return f'{warning}<div style="display:flex;flex-wrap:wrap;gap:8px">{body}</div>'
 
 
+@dataclass(frozen=True)
+class Snapshot:
+    """The Live tab's outputs for one window choice at one tick, shared by every session."""
+
+    headline: str
+    plots: tuple[PlotData | None, ...]  # None where the store was unavailable (the charts keep theirs)
+    effective: str | None  # None: the knobs could not be read
+    activity: tuple[Any, ...]  # changes whenever new telemetry or engine state arrived
+
+    def outputs(self) -> list[Any]:
+        """[headline, *plots, effective] as the Live tab's handlers return them."""
+        plots = [gr.update() if p is None else p for p in self.plots]
+        return [self.headline, *plots, gr.update() if self.effective is None else self.effective]
+
+    def digests(self) -> tuple[Any, ...]:
+        """What each output holds, to tell a session's unchanged outputs from changed ones."""
+        return (self.headline, *[None if p is None else p.plot for p in self.plots], self.effective)
+
+
+class LiveCache:
+    """One computation per window choice and tick, however many sessions refresh.
+
+    `get(choice)` returns the snapshot of the current tick (floor(now / tick_s)); the first
+    session to ask in a tick builds it (the telemetry queries, the figures serialised once, the
+    state and knobs read from the API) while the others wait for it and share it. `builds`
+    counts the snapshots built."""
+
+    def __init__(self, build: Callable[[str, float], Snapshot], tick_s: float = REFRESH_S,
+                 clock: Callable[[], float] = time.time, keep: int = 8):
+        self._build = build
+        self._tick_s = tick_s
+        self._clock = clock
+        self._keep = keep
+        self._lock = threading.Lock()
+        self._snapshots: dict[str, tuple[int, Snapshot]] = {}  # choice: (tick, snapshot), oldest first
+        self.builds = 0
+
+    def get(self, choice: str) -> Snapshot:
+        with self._lock:
+            now = self._clock()
+            tick = math.floor(now / self._tick_s)
+            cached = self._snapshots.get(choice)
+            if cached is not None and cached[0] == tick:
+                return cached[1]
+            snapshot = self._build(choice, now)
+            self.builds += 1
+            self._snapshots.pop(choice, None)
+            self._snapshots[choice] = (tick, snapshot)
+            while len(self._snapshots) > self._keep:
+                self._snapshots.pop(next(iter(self._snapshots)))
+            return snapshot
+
+
+def next_interval(previous: float, changed: bool) -> float:
+    """The refresh interval after a tick: REFRESH_S while data changes, doubling up to
+    IDLE_REFRESH_S while nothing does (an idle engine, a finished run, a paused view)."""
+    return REFRESH_S if changed else min(previous * 2, IDLE_REFRESH_S)
+
+
 class LiveTab:
-    def __init__(self, ctx: DashboardContext, db: Any):
+    def __init__(self, ctx: DashboardContext, db: Any, clock: Callable[[], float] = time.time):
         self.ctx = ctx
         self.db = db
+        self.cache = LiveCache(self.snapshot, clock=clock)
 
     def build(self) -> None:
         with gr.Row():
@@ -243,40 +351,77 @@ class LiveTab:
         for i in range(0, len(CHART_IDS), 2):
             with gr.Row():
                 for chart_id in CHART_IDS[i:i + 2]:
-                    self.plots.append(gr.Plot(elem_id=chart_id, show_label=False))
+                    self.plots.append(LivePlot(chart_id))
         self.timer = gr.Timer(REFRESH_S)
+        self.seen = gr.State(None)  # per session: what its page shows, and its refresh interval
 
     def wire(self, effective: gr.Markdown) -> None:
-        """Refresh on every tick and window change; `effective` is the knobs panel's view."""
+        """Refresh on every tick and window change; `effective` is the knobs panel's view.
+
+        The timer's tick (`live_tick`) sends a session only the outputs that changed since its
+        last tick and stretches its own interval while nothing changes; `live_refresh` (a window
+        change, and the API) sends everything."""
         outputs = [self.headline, *self.plots, effective]
-        self.timer.tick(self.refresh, [self.window, self.paused], outputs, api_name="live_refresh",
-                        show_progress="hidden", concurrency_limit=4, trigger_mode="always_last")
-        self.window.change(self.refresh, [self.window, self.paused], outputs, api_name="live_window",
+        self.timer.tick(self.tick, [self.window, self.paused, self.seen], [*outputs, self.seen, self.timer],
+                        api_name="live_tick", show_progress="hidden", concurrency_limit=4,
+                        trigger_mode="always_last")
+        self.window.change(self.refresh, [self.window, self.paused], outputs, api_name="live_refresh",
                            show_progress="hidden")
 
-    def refresh(self, choice: str, paused: bool, request: gr.Request) -> list[Any]:
-        """Headline HTML, the charts and the knobs in force."""
-        self.ctx.check(request)
-        if paused:
-            return [gr.update()] * (len(CHART_IDS) + 2)
+    def snapshot(self, choice: str, now: float) -> Snapshot:
+        """Build the outputs of `choice` at `now` (LiveCache calls this once per tick)."""
         state = knobs = None
         error = None
         try:
             state, knobs = self.ctx.api.state(), self.ctx.api.knobs()
         except ApiError as exc:
             error = exc.message
-        effective = effective_markdown(knobs) if knobs else gr.update()
+        effective = effective_markdown(knobs) if knobs else None
+        engine = tuple((state or {}).get(k) for k in ("running", "waiting", "kv_blocks_used")) + (
+            (knobs or {}).get("version"),)
         try:
-            window = resolve_window(self.db, choice)
+            window = resolve_window(self.db, choice, now)
             data = fetch(self.db, window, choice)
-            now = time.time()
             recent = queries.iteration_series(self.db, "decode_tokens", now - RATE_WINDOW_S, now, points=1)
         except SQLAlchemyError as exc:
             error = f"telemetry store unavailable: {type(exc).__name__}: {str(exc).splitlines()[0]}"
-            return [headline_html(state, knobs, 0.0, 0, error), *[gr.update()] * len(CHART_IDS), effective]
+            return Snapshot(headline_html(state, knobs, 0.0, 0, error), (None,) * len(CHART_IDS), effective,
+                            (error, *engine))
         tokens_per_s = sum(p.sum for p in recent.points) / RATE_WINDOW_S
         preemptions = int(sum(p.sum for p in data.series["preemptions"].points))
-        return [headline_html(state, knobs, tokens_per_s, preemptions, error), *build_figures(data), effective]
+        plots = tuple(plot_data(spec) for spec in figure_specs(data))
+        newest = data.series["running"].points[-1:]
+        activity = (error, *engine, *[(p.t, p.count) for p in newest], sum(p.count for p in data.ttft),
+                    len(data.changes))
+        return Snapshot(headline_html(state, knobs, tokens_per_s, preemptions, error), plots, effective, activity)
+
+    def refresh(self, choice: str, paused: bool, request: gr.Request) -> list[Any]:
+        """Headline HTML, the charts and the knobs in force (all of them)."""
+        self.ctx.check(request)
+        if paused:
+            return [gr.update()] * (len(CHART_IDS) + 2)
+        return self.cache.get(choice or "1m").outputs()
+
+    def tick(self, choice: str, paused: bool, seen: dict[str, Any] | None, request: gr.Request) -> list[Any]:
+        """A timer tick: the outputs that changed since this session's last tick (gr.skip() for
+        the others), its new state, and its timer's new interval when that changes."""
+        self.ctx.check(request)
+        seen = seen or {}
+        interval = seen.get("interval", REFRESH_S)
+        if paused:
+            return [*[gr.skip()] * (len(CHART_IDS) + 2), seen, gr.skip()]
+        choice = choice or "1m"
+        snapshot = self.cache.get(choice)
+        digests = snapshot.digests()
+        shown = seen.get("digests") if seen.get("choice") == choice else None
+        outputs = snapshot.outputs()
+        if shown is not None:
+            outputs = [gr.skip() if new == old else out for out, new, old in zip(outputs, digests, shown)]
+        changed = seen.get("choice") != choice or seen.get("activity") != snapshot.activity
+        new_interval = next_interval(interval, changed)
+        state = {"choice": choice, "digests": digests, "activity": snapshot.activity, "interval": new_interval}
+        timer = gr.Timer(value=new_interval) if new_interval != interval else gr.skip()
+        return [*outputs, state, timer]
 
     def choices(self) -> Any:
         try:
