@@ -61,7 +61,7 @@ class ModelRunner:
         # One extra block at the end is scratch space for padding rows; it is never handed out.
         slots = (num_blocks + 1) * block_size
         self.scratch_slot = num_blocks * block_size
-        shape = (slots, self.spec.num_kv_heads, self.spec.head_dim)
+        shape = (self.spec.num_kv_heads, slots, self.spec.head_dim)  # head-major: see paged_attention
         self.kv_caches = [
             (torch.zeros(shape, dtype=loaded.dtype, device=self.device),
              torch.zeros(shape, dtype=loaded.dtype, device=self.device))
@@ -105,9 +105,9 @@ class ModelRunner:
         keep_rows.extend(range(len(decodes)))
         sample_indices.extend(index_of[id(item)] for item in decodes)
 
-        decode_slots = decode_mask = None
+        decode_blocks = decode_mask = None
         if n_dec_rows:
-            decode_slots, decode_mask = self._decode_context(decodes, ctx_lens)
+            decode_blocks, decode_mask = self._decode_context(decodes, ctx_lens)
 
         spans: list[PrefillSpan] = []
         for item in prefills:
@@ -128,10 +128,11 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device),
             num_decode_rows=n_dec_rows,
-            decode_slots=decode_slots,
+            decode_blocks=decode_blocks,
             decode_mask=decode_mask,
             prefills=spans,
             kv_caches=self.kv_caches,
+            block_size=self.block_size,
         )
         ids = torch.tensor(input_ids, dtype=torch.long, device=device)
         pos = torch.tensor(positions, dtype=torch.long, device=device)
@@ -144,17 +145,15 @@ class ModelRunner:
         return ForwardResult(logits.float(), sample_indices)
 
     def _decode_context(self, decodes, ctx_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Slot indices [D, Lmax] of each decode row's context and the matching validity mask."""
+        """Block tables [D, Bmax] of the decode rows (padded with the scratch block) and the
+        validity mask [D, 1, 1, Bmax * block_size] of their gathered contexts."""
         bs = self.block_size
-        max_len = max(ctx_lens)
-        max_blocks = -(-max_len // bs)
-        scratch_block = self.num_blocks
-        tables = [item.seq.block_table[:max_blocks] for item in decodes]
-        tables += [[scratch_block]] * (len(ctx_lens) - len(decodes))
-        padded = [t + [scratch_block] * (max_blocks - len(t)) for t in tables]
-        table = torch.tensor(padded, dtype=torch.long, device=self.device)  # [D, max_blocks]
-        offsets = torch.arange(max_len, device=self.device)
-        slots = table[:, offsets // bs] * bs + offsets % bs  # [D, Lmax]
+        max_blocks = -(-max(ctx_lens) // bs)
+        scratch = [self.num_blocks] * max_blocks
+        tables = [(item.seq.block_table[:max_blocks] + scratch)[:max_blocks] for item in decodes]
+        tables += [scratch] * (len(ctx_lens) - len(decodes))
+        table = torch.tensor(tables, dtype=torch.long, device=self.device)
+        offsets = torch.arange(max_blocks * bs, device=self.device)
         lens = torch.tensor(ctx_lens, device=self.device)
         mask = (offsets.unsqueeze(0) < lens.unsqueeze(1))[:, None, None, :]
-        return slots, mask
+        return table, mask

@@ -34,10 +34,23 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor  # [T] cache slot of each packed token
     num_decode_rows: int  # decode rows come first in the packed batch
-    decode_slots: torch.Tensor | None  # [D, Lmax] cache slots of each decode row's context
-    decode_mask: torch.Tensor | None  # [D, 1, 1, Lmax] True where a slot holds real context
+    decode_blocks: torch.Tensor | None  # [D, Bmax] block table of each decode row (padded)
+    decode_mask: torch.Tensor | None  # [D, 1, 1, Bmax * block_size] True where a slot holds real context
     prefills: list[PrefillSpan]
-    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: K, V as [slots, kv_heads, dim]
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: K, V as [kv_heads, slots, dim]
+    block_size: int = 16
+
+
+def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, block_size: int) -> torch.Tensor:
+    """cache [KVH, slots, dim] and block tables [D, B] -> context [D, KVH, B * block_size, dim].
+
+    One index_select of whole blocks (contiguous runs of block_size * dim values); the result is
+    a view whose every (row, head) matrix is contiguous, as SDPA wants it."""
+    rows, width = blocks.shape
+    kv_heads, _, head_dim = cache.shape
+    paged = cache.view(kv_heads, -1, block_size, head_dim)
+    gathered = paged.index_select(1, blocks.flatten())  # [KVH, D * B, block_size, dim]
+    return gathered.view(kv_heads, rows, width * block_size, head_dim).transpose(0, 1)
 
 
 def paged_attention(
@@ -45,17 +58,18 @@ def paged_attention(
 ) -> torch.Tensor:
     """q [T, H, D], k/v [T, KVH, D] of the packed new tokens -> attention output [T, H, D]."""
     k_cache, v_cache = meta.kv_caches[layer_idx]
-    k_cache.index_copy_(0, meta.slot_mapping, k)
-    v_cache.index_copy_(0, meta.slot_mapping, v)
+    k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
+    v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
     total, num_heads, head_dim = q.shape
     kv_heads = k.shape[1]
     out = q.new_empty(total, num_heads, head_dim)
     n_dec = meta.num_decode_rows
     if n_dec:
         # Group the query heads that share a KV head as extra "query rows": no KV repeat needed.
+        # Gather whole blocks (contiguous runs of block_size slots), not single slots.
         q_dec = q[:n_dec].reshape(n_dec, kv_heads, num_heads // kv_heads, head_dim)
-        k_dec = k_cache[meta.decode_slots].transpose(1, 2)  # [D, KVH, L, dim]
-        v_dec = v_cache[meta.decode_slots].transpose(1, 2)
+        k_dec = _gather_blocks(k_cache, meta.decode_blocks, meta.block_size)  # [D, KVH, L, dim]
+        v_dec = _gather_blocks(v_cache, meta.decode_blocks, meta.block_size)
         o = F.scaled_dot_product_attention(q_dec, k_dec, v_dec, attn_mask=meta.decode_mask, scale=scaling)
         out[:n_dec] = o.reshape(n_dec, num_heads, head_dim)
     for span in meta.prefills:
@@ -67,8 +81,8 @@ def paged_attention(
             o = F.scaled_dot_product_attention(q_p, k_p, v_p, is_causal=True, scale=scaling, enable_gqa=True)
         else:
             ctx = span.context_slots.numel()
-            k_p = k_cache[span.context_slots].transpose(0, 1).unsqueeze(0)  # [1, KVH, L, D]
-            v_p = v_cache[span.context_slots].transpose(0, 1).unsqueeze(0)
+            k_p = k_cache.index_select(1, span.context_slots).unsqueeze(0)  # [1, KVH, L, D]
+            v_p = v_cache.index_select(1, span.context_slots).unsqueeze(0)
             q_pos = torch.arange(ctx - span.length, ctx, device=q.device).unsqueeze(1)
             mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= q_pos  # [q, L]
             o = F.scaled_dot_product_attention(q_p, k_p, v_p, attn_mask=mask, scale=scaling, enable_gqa=True)
