@@ -10,8 +10,10 @@ Prints each pair side by side with the static/continuous ratios of throughput an
 the static run's padding share (rows of finished requests held in the batch, from the server's
 ITERATION telemetry). Starts its own `appliance serve` on 127.0.0.1 and stops it by PID.
 
-    .venv/bin/python benchmarks/static_vs_continuous.py [--rate 2] [--num-requests 200]
+    .venv/bin/python benchmarks/static_vs_continuous.py [--rate 2] [--skewed-requests 64] [--sharegpt-requests 200]
     .venv/bin/python benchmarks/static_vs_continuous.py --num-requests 8 --max-output-len 48 --max-total-len 256
+
+On a 2-core CPU the full size takes long: sharegpt-200 forces ~59,000 output tokens per policy.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--num-requests", "-n", type=int, default=None,
                         help="requests per workload (default: 64 skewed, 200 sharegpt)")
+    parser.add_argument("--skewed-requests", type=int, default=None, help="skewed requests (overrides -n)")
+    parser.add_argument("--sharegpt-requests", type=int, default=None, help="sharegpt requests (overrides -n)")
     parser.add_argument("--rate", type=float, default=2.0, help="sharegpt Poisson arrivals per second")
     parser.add_argument("--max-output-len", type=int, default=None, help="cap every forced output length")
     parser.add_argument("--max-total-len", type=int, default=2048, help="sharegpt prompt + reply filter")
@@ -44,11 +48,12 @@ def main() -> int:
 
     tokenizer = load_tokenizer(None)
     count = lambda text: len(tokenizer.encode(text, add_special_tokens=False))  # noqa: E731
-    n_skewed = args.num_requests or 64
+    n_skewed = args.skewed_requests or args.num_requests or 64
+    n_sharegpt = args.sharegpt_requests or args.num_requests or 200
     workloads = {
         f"skewed-{n_skewed}": (skewed(n_skewed, args.seed), None),
-        f"sharegpt-{args.num_requests or 200}": (
-            sharegpt(args.num_requests or 200, args.seed, count, max_total_len=args.max_total_len,
+        f"sharegpt-{n_sharegpt}": (
+            sharegpt(n_sharegpt, args.seed, count, max_total_len=args.max_total_len,
                      max_prompt_len=min(1024, args.max_total_len // 2)), args.rate),
     }
     if args.max_output_len:
