@@ -19,10 +19,14 @@ number of iterations (the short requests' decode steps set the count; chunking o
 same prefill tokens over more of those steps), and the runs' wall time is the engine's busy time
 (the idle gaps are ~0.1 s): so the compute, and the output throughput, should match. The server's
 CPU seconds per run are printed next to the wall time to check it: where the wall-clock ratio
-differs from the CPU-time ratio, the difference is other load on the machine, not chunking (on the
-shared 2-core box, two identical "off" runs took 21.0 s and 27.1 s). An earlier version gave both
-settings a 2048-token budget, which let "off" prefill TWO long prompts in one iteration (a
-2,034-token step): not the issue's "chunk = budget = a whole prompt", and a stall twice as long.
+differs from the CPU-time ratio, the difference is other load on the machine, not chunking. On
+the shared 2-core box (2026-11-29, `--rounds 4`, load average 3.5-4.9) the four "off" runs took
+33.0-59.9 s of wall time for 32.6-39.5 s of server CPU, the per-round on/off throughput ratio
+ranged 0.73-1.21, and the pooled CPU-time ratio was 1.01: the 1.34x of an earlier 16-request run
+was such noise (one pair of runs), not a property of chunking. Run more rounds on a busy machine.
+That earlier version also gave both settings a 2048-token budget, which let "off" prefill TWO
+long prompts in one iteration (a 2,034-token step): not the issue's "chunk = budget = a whole
+prompt", and a stall twice as long (its ITL P99 drop, 83 %, was inflated by it).
 
     .venv/bin/python benchmarks/chunked_prefill.py [--num-requests 32] [--rounds 2]
     .venv/bin/python benchmarks/chunked_prefill.py -n 12 --num-long 2 --short-output-len 24,48 --rounds 1
