@@ -23,10 +23,10 @@ differs from the CPU-time ratio, the difference is other load on the machine, no
 the shared 2-core box (2026-11-29, `--rounds 4`, load average 3.5-4.9) the four "off" runs took
 33.0-59.9 s of wall time for 32.6-39.5 s of server CPU, the per-round on/off throughput ratio
 ranged 0.73-1.21, and the pooled CPU-time ratio was 1.01: the 1.34x of an earlier 16-request run
-was such noise (one pair of runs), not a property of chunking. Run more rounds on a busy machine.
+is within that noise, not a property of chunking. Run more rounds on a busy machine.
 That earlier version also gave both settings a 2048-token budget, which let "off" prefill TWO
 long prompts in one iteration (a 2,034-token step): not the issue's "chunk = budget = a whole
-prompt", and a stall twice as long (its ITL P99 drop, 83 %, was inflated by it).
+prompt", and a stall twice as long (the 83 % ITL P99 drop of that run was likely inflated by it).
 
     .venv/bin/python benchmarks/chunked_prefill.py [--num-requests 32] [--rounds 2]
     .venv/bin/python benchmarks/chunked_prefill.py -n 12 --num-long 2 --short-output-len 24,48 --rounds 1
