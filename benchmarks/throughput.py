@@ -8,7 +8,9 @@
 Every request arrives at t=0 and generates exactly its `output_len` tokens (EOS ignored, greedy).
 Output tok/s counts only each request's own forced tokens. Then the engine's efficiency: its
 decode tok/s at a full batch against a bare batched forward of the same model at the same batch
-size and context (transformers DynamicCache, no scheduler).
+size and context (transformers DynamicCache, no scheduler), and the ceiling no system can pass
+here (see `throughput_ceiling`): prefill FLOPs at the measured GEMM rate plus, per decode step,
+the larger of its FLOPs and one batch-1 forward.
 
     python benchmarks/throughput.py [--dtype float32] [--also-bf16] [--skip-peers] [--num-threads N]
 """
@@ -170,6 +172,46 @@ def efficiency(loaded, batch: int, context: int, steps: int = 12) -> tuple[float
     return engine_rate, bare_rate
 
 
+def throughput_ceiling(loaded, requests) -> tuple[float, str]:
+    """The output tok/s no system could beat here, and how it was found.
+
+    All prompts must be prefilled (their matmul FLOPs at the machine's measured GEMM rate), and
+    decode step i (1..longest output) carries every request with output_len >= i: it costs at
+    least its matmul FLOPs at that rate, and at least one batch-1 forward (reading every weight).
+    """
+    model = loaded.model
+    hidden = model.config.hidden_size
+    embed = model.get_input_embeddings().weight.numel()
+    body = sum(p.numel() for p in model.parameters()) - embed  # the tied LM head counted apart
+    a = torch.randn(512, hidden, dtype=loaded.dtype)
+    w = torch.randn(model.config.intermediate_size, hidden, dtype=loaded.dtype)
+    with torch.inference_mode():
+        gemm = best_of(lambda: torch.nn.functional.linear(a, w), 10)
+    rate = 2 * a.shape[0] * hidden * w.shape[0] / gemm
+    with torch.inference_mode(), sdpa_attention(model):
+        ids = torch.randint(100, 1000, (1, 1))
+        weights_step = best_of(lambda: model(ids, logits_to_keep=1), 5)
+    prefill = 2 * body * sum(len(r["prompt_ids"]) for r in requests) / rate
+    per_token = 2 * (body + embed) / rate
+    lengths = [r["output_len"] for r in requests]
+    decode = sum(max(sum(n >= i for n in lengths) * per_token, weights_step) for i in range(1, max(lengths) + 1))
+    ceiling = sum(lengths) / (prefill + decode)
+    how = (f"ceiling: prefill {prefill:.1f} s + {max(lengths)} decode steps {decode:.1f} s at the measured GEMM "
+           f"rate {rate / 1e9:.0f} GFLOP/s and batch-1 forward {1000 * weights_step:.0f} ms "
+           f"= at most {ceiling:.0f} output tok/s for any {str(loaded.dtype).split('.')[-1]} system on this machine")
+    return ceiling, how
+
+
+def best_of(fn, runs: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(runs):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
 HEADER = (f"{'system':44s} {'wall s':>8s} {'tok/s':>8s} {'e2e p50':>8s} {'e2e p99':>8s} {'ttft p50':>8s} "
           f"{'ttft p99':>8s} {'engine x':>9s}")
 
@@ -200,11 +242,13 @@ def main() -> None:
         if not args.skip_peers and dtype == args.dtype:
             runs += [lambda: run_hf_static(loaded, requests, 8), lambda: run_hf_continuous(loaded, requests)]
         print(HEADER, flush=True)
-        base = None
+        rows: list[dict] = []
         for run in runs:
-            row = run()
-            base = base or row
-            print(row_line(row, base), flush=True)
+            rows.append(run())
+            print(row_line(rows[-1], rows[0]), flush=True)
+        ceiling, how = throughput_ceiling(loaded, requests)
+        print(how, flush=True)
+        print(f"engine continuous reaches {100 * rows[0]['tok_s'] / ceiling:.0f} % of that ceiling", flush=True)
         for batch, ctx in ((64, 160), (1, 160)):
             eng, bare = efficiency(loaded, batch, ctx)
             print(f"efficiency at batch {batch}, context {ctx}: engine {eng:.1f} tok/s vs bare forward "
