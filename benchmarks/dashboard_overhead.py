@@ -8,11 +8,15 @@ in alternating rounds in one run, each round in three modes:
   (`/ui/gradio_api/call/live_refresh`, the handler the browser's timer runs) once a second over
   plain HTTP and reads the whole answer. This is the server-side share of watching: the telemetry
   queries, the figures, Gradio's queue and the JSON on the wire, in the server process;
-- `browsers`: two headless Chromium pages on the Live tab (charts refreshing by themselves).
+- `browsers`: two headless Chromium pages on the Live tab (charts refreshing by themselves), each
+  with a viewport tall enough (1280x1700) that all eight charts are on screen and painted.
 
 Prints output tok/s of each round, the mean per mode and its ratio to `none`, and the CPU
 seconds that the server process, the browsers and this script (load generator and simulated
-viewers) used per second of each mode (from /proc: Linux only).
+viewers) used per second of each mode (from /proc: Linux only). "of which watching" is the
+server's CPU beyond what serving the same tokens cost in the `none` rounds: the dashboard's own
+cost in the server, which machine load (other processes on the cores) does not inflate the way
+it inflates a throughput ratio.
 
 On this 2-core box the browsers (and this script) share the server's cores, so the `browsers`
 figure also counts Chromium's own rendering against the engine; an operator's browser normally
@@ -45,6 +49,7 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic"
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 MODES = ("none", "viewers", "browsers")
 VIEWERS = 2
+VIEWPORT = {"width": 1280, "height": 1700}  # the whole Live tab in view
 REFRESH_S = 1.0
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -104,7 +109,7 @@ def browsers(ui_url: str, count: int):
         browser = p.chromium.launch(executable_path="/usr/bin/chromium", args=CHROMIUM_ARGS)
         try:
             for _ in range(count):
-                page = browser.new_page()
+                page = browser.new_page(viewport=VIEWPORT)
                 page.goto(ui_url)
                 page.wait_for_selector("#chart-running .main-svg", timeout=120_000)
             yield
@@ -238,15 +243,21 @@ def main() -> None:
                       f"script {r.script_cpu_s / r.wall_s:.2f}" + (f"; {r.note}" if r.note else ""), flush=True)
     print()
     base = statistics.mean(r.tok_s for r in results if r.mode == "none")
+    # the server's CPU seconds per output token when nobody watches: what serving alone costs
+    idle = [r for r in results if r.mode == "none"]
+    serve_cpu_per_token = sum(r.server_cpu_s for r in idle) / sum(r.tok_s * r.wall_s for r in idle)
     for mode in MODES:
         rounds = [r for r in results if r.mode == mode]
         rate = statistics.mean(r.tok_s for r in rounds)
         wall = sum(r.wall_s for r in rounds)
         cpu = {k: sum(getattr(r, f"{k}_cpu_s") for r in rounds) / wall for k in ("server", "browser", "script")}
+        # server CPU beyond serving the same tokens: what the dashboard itself cost the server
+        watching = (sum(r.server_cpu_s for r in rounds) - serve_cpu_per_token * sum(r.tok_s * r.wall_s for r in rounds)) / wall
         label = {"none": "no dashboard", "viewers": f"{VIEWERS} simulated viewers (server-side share)",
                  "browsers": f"{VIEWERS} Chromium dashboards (server + browsers)"}[mode]
         print(f"{label:45s} {rate:6.1f} tok/s  ratio {rate / base:.3f} ({100 * (1 - rate / base):+5.1f} % loss)  "
-              f"CPU s/s: server {cpu['server']:.2f}, browsers {cpu['browser']:.2f}, script {cpu['script']:.2f}")
+              f"CPU s/s: server {cpu['server']:.2f} (of which watching {watching:+.3f}), "
+              f"browsers {cpu['browser']:.2f}, script {cpu['script']:.2f}")
 
 
 if __name__ == "__main__":
