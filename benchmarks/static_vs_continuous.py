@@ -42,6 +42,10 @@ def main() -> int:
     parser.add_argument("--max-output-len", type=int, default=None, help="cap every forced output length")
     parser.add_argument("--max-total-len", type=int, default=2048, help="sharegpt prompt + reply filter")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--workloads", default="skewed,sharegpt", help="which to run: skewed, sharegpt or both")
+    parser.add_argument("--request-timeout", type=float, default=3600.0,
+                        help="seconds a request may wait for each part of its reply (default 3600: under "
+                             "static batching a queued request can wait many minutes for its first token)")
     parser.add_argument("--dtype", default=None, help="passed to appliance serve")
     parser.add_argument("--device", default=None, help="passed to appliance serve")
     args = parser.parse_args()
@@ -56,6 +60,10 @@ def main() -> int:
             sharegpt(n_sharegpt, args.seed, count, max_total_len=args.max_total_len,
                      max_prompt_len=min(1024, args.max_total_len // 2)), args.rate),
     }
+    chosen = {w.strip() for w in args.workloads.split(",") if w.strip()}
+    if not chosen or chosen - {"skewed", "sharegpt"}:
+        parser.error(f"--workloads takes skewed, sharegpt or both, got {args.workloads!r}")
+    workloads = {name: w for name, w in workloads.items() if name.split("-")[0] in chosen}
     if args.max_output_len:
         workloads = {name: ([dataclasses.replace(r, output_len=min(r.output_len, args.max_output_len))
                              for r in reqs], rate) for name, (reqs, rate) in workloads.items()}
@@ -67,10 +75,11 @@ def main() -> int:
             serve += [f"--{flag}", getattr(args, flag)]
     results: dict[str, ABResult] = {}
     with appliance_server(*serve) as (url, db):
-        asyncio.run(LoadGenerator(workloads[f"skewed-{n_skewed}"][0][:1], base_url=url).run())  # warm up
+        asyncio.run(LoadGenerator(skewed(n_skewed, args.seed)[:1], base_url=url).run())  # warm up
         for name, (requests, rate) in workloads.items():
             def make(requests: list[BenchRequest] = requests, rate: float | None = rate) -> LoadGenerator:
-                return LoadGenerator(requests, base_url=url, rate=rate, seed=args.seed)
+                return LoadGenerator(requests, base_url=url, rate=rate, seed=args.seed,
+                                     request_timeout_s=args.request_timeout)
 
             print(f"{name}: continuous, then static ...", file=sys.stderr)
             results[name] = asyncio.run(run_ab(make, workload=name, name=name, db_url=db))
