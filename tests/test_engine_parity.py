@@ -76,3 +76,20 @@ def test_parity_under_preemption(make_engine, reference, record_iterations):
 def test_static_policy_same_answers(make_engine, reference):
     engine = make_engine(max_num_seqs=4, max_num_batched_tokens=256, scheduling_policy="static")
     assert _engine_tokens(engine) == reference
+
+
+def test_parity_with_decode_rows_in_length_groups(make_engine, reference):
+    # Blocks of 4 tokens: the prompts' contexts span 2 to 14 blocks, so decode rows are cut into
+    # several groups of similar length, each attended in its own call.
+    engine = make_engine(block_size=4, max_num_seqs=16, max_num_batched_tokens=1024, long_prefill_token_threshold=1024)
+    seen = []
+    build = engine.runner._decode_groups
+
+    def spy(decodes, ctx_lens):
+        groups = build(decodes, ctx_lens)
+        seen.append(len(groups))
+        return groups
+
+    engine.runner._decode_groups = spy
+    assert _engine_tokens(engine) == reference
+    assert max(seen) > 1

@@ -14,7 +14,7 @@ import torch
 from ..model_loader import LoadedModel
 from . import fast_llama
 from .fast_llama import FastLlamaForward
-from .paged_attention import ATTN_IMPLEMENTATION, AttentionMetadata, PrefillSpan
+from .paged_attention import ATTN_IMPLEMENTATION, AttentionMetadata, DecodeGroup, PrefillSpan
 from .scheduler import SchedulerOutput
 
 log = logging.getLogger(__name__)
@@ -78,7 +78,6 @@ class ModelRunner:
         device = self.device
         decodes = [s for s in sched.scheduled if not s.is_prefill]
         prefills = [s for s in sched.scheduled if s.is_prefill]
-        order = decodes + prefills
         index_of = {id(item): i for i, item in enumerate(sched.scheduled)}
 
         input_ids: list[int] = []
@@ -87,7 +86,9 @@ class ModelRunner:
         keep_rows: list[int] = []
         sample_indices: list[int] = []
 
-        # Decode rows: context = every computed token plus the new one.
+        # Decode rows, longest context first (see decode_groups): context = every computed token
+        # plus the new one.
+        decodes.sort(key=lambda item: -item.seq.num_computed_tokens)
         ctx_lens: list[int] = []
         for item in decodes:
             seq = item.seq
@@ -105,9 +106,7 @@ class ModelRunner:
         keep_rows.extend(range(len(decodes)))
         sample_indices.extend(index_of[id(item)] for item in decodes)
 
-        decode_blocks = decode_mask = None
-        if n_dec_rows:
-            decode_blocks, decode_mask = self._decode_context(decodes, ctx_lens)
+        groups = self._decode_groups(decodes, ctx_lens) if n_dec_rows else []
 
         spans: list[PrefillSpan] = []
         for item in prefills:
@@ -128,8 +127,7 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device),
             num_decode_rows=n_dec_rows,
-            decode_blocks=decode_blocks,
-            decode_mask=decode_mask,
+            decode_groups=groups,
             prefills=spans,
             kv_caches=self.kv_caches,
             block_size=self.block_size,
@@ -144,16 +142,32 @@ class ModelRunner:
             logits = out.logits[0]
         return ForwardResult(logits.float(), sample_indices)
 
-    def _decode_context(self, decodes, ctx_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Block tables [D, Bmax] of the decode rows (padded with the scratch block) and the
-        validity mask [D, 1, 1, Bmax * block_size] of their gathered contexts."""
+    def _decode_groups(self, decodes, ctx_lens: list[int]) -> list[DecodeGroup]:
+        """Block tables and validity masks of the decode rows (longest context first), cut into
+        groups of similar length so that short contexts are not padded to the longest one."""
         bs = self.block_size
-        max_blocks = -(-max(ctx_lens) // bs)
-        scratch = [self.num_blocks] * max_blocks
-        tables = [(item.seq.block_table[:max_blocks] + scratch)[:max_blocks] for item in decodes]
-        tables += [scratch] * (len(ctx_lens) - len(decodes))
-        table = torch.tensor(tables, dtype=torch.long, device=self.device)
-        offsets = torch.arange(max_blocks * bs, device=self.device)
-        lens = torch.tensor(ctx_lens, device=self.device)
-        mask = (offsets.unsqueeze(0) < lens.unsqueeze(1))[:, None, None, :]
-        return table, mask
+        tables = [item.seq.block_table for item in decodes]
+        tables += [[self.num_blocks]] * (len(ctx_lens) - len(decodes))  # padding rows: the scratch block
+        groups = []
+        for start, end in length_groups([-(-n // bs) for n in ctx_lens]):
+            width = -(-ctx_lens[start] // bs)
+            scratch = [self.num_blocks] * width
+            table = torch.tensor([(t[:width] + scratch)[:width] for t in tables[start:end]], dtype=torch.long, device=self.device)
+            offsets = torch.arange(width * bs, device=self.device)
+            lens = torch.tensor(ctx_lens[start:end], device=self.device)
+            mask = (offsets.unsqueeze(0) < lens.unsqueeze(1))[:, None, None, :]
+            groups.append(DecodeGroup(start, table, mask))
+        return groups
+
+
+def length_groups(blocks: list[int], slack: int = 4) -> list[tuple[int, int]]:
+    """Cut rows sorted by context blocks (longest first) into [start, end) groups. A row joins
+    the current group while padding it to the group's longest row at most doubles its work or
+    adds at most `slack` blocks; otherwise it starts a new group."""
+    groups: list[tuple[int, int]] = []
+    start = 0
+    for i in range(1, len(blocks) + 1):
+        if i == len(blocks) or (2 * blocks[i] < blocks[start] and blocks[start] - blocks[i] > slack):
+            groups.append((start, i))
+            start = i
+    return groups

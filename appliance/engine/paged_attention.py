@@ -5,7 +5,8 @@ transformers' attention modules project and rotate q/k/v for the packed tokens o
 keys and values into the engine's block-paged cache (slot mapping) and attends each token to its
 own sequence's cached context:
 
-- decode rows (one new token each) in one batched SDPA call over their gathered contexts;
+- decode rows (one new token each) in a few batched SDPA calls, one per group of similar
+  context length, over contexts gathered block by block;
 - prefill chunks one sequence at a time, causal within the chunk and over the cached prefix.
 """
 
@@ -29,13 +30,21 @@ class PrefillSpan:
 
 
 @dataclass
+class DecodeGroup:
+    """Decode rows of similar context length, attended together in one SDPA call."""
+
+    start: int  # first row of the group in the packed batch
+    blocks: torch.Tensor  # [n, B] block table of each row, padded with the scratch block
+    mask: torch.Tensor  # [n, 1, 1, B * block_size] True where a slot holds real context
+
+
+@dataclass
 class AttentionMetadata:
     """Everything the attention function needs for one iteration (built once, used by all layers)."""
 
     slot_mapping: torch.Tensor  # [T] cache slot of each packed token
     num_decode_rows: int  # decode rows come first in the packed batch
-    decode_blocks: torch.Tensor | None  # [D, Bmax] block table of each decode row (padded)
-    decode_mask: torch.Tensor | None  # [D, 1, 1, Bmax * block_size] True where a slot holds real context
+    decode_groups: list[DecodeGroup]  # the decode rows, cut into groups of similar context length
     prefills: list[PrefillSpan]
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: K, V as [kv_heads, slots, dim]
     block_size: int = 16
@@ -63,15 +72,15 @@ def paged_attention(
     total, num_heads, head_dim = q.shape
     kv_heads = k.shape[1]
     out = q.new_empty(total, num_heads, head_dim)
-    n_dec = meta.num_decode_rows
-    if n_dec:
-        # Group the query heads that share a KV head as extra "query rows": no KV repeat needed.
-        # Gather whole blocks (contiguous runs of block_size slots), not single slots.
-        q_dec = q[:n_dec].reshape(n_dec, kv_heads, num_heads // kv_heads, head_dim)
-        k_dec = _gather_blocks(k_cache, meta.decode_blocks, meta.block_size)  # [D, KVH, L, dim]
-        v_dec = _gather_blocks(v_cache, meta.decode_blocks, meta.block_size)
-        o = F.scaled_dot_product_attention(q_dec, k_dec, v_dec, attn_mask=meta.decode_mask, scale=scaling)
-        out[:n_dec] = o.reshape(n_dec, num_heads, head_dim)
+    for group in meta.decode_groups:
+        # The query heads that share a KV head become extra "query rows": no KV repeat needed.
+        n = group.blocks.shape[0]
+        rows = slice(group.start, group.start + n)
+        q_dec = q[rows].reshape(n, kv_heads, num_heads // kv_heads, head_dim)
+        k_dec = _gather_blocks(k_cache, group.blocks, meta.block_size)  # [n, KVH, L, dim]
+        v_dec = _gather_blocks(v_cache, group.blocks, meta.block_size)
+        o = F.scaled_dot_product_attention(q_dec, k_dec, v_dec, attn_mask=group.mask, scale=scaling)
+        out[rows] = o.reshape(n, num_heads, head_dim)
     for span in meta.prefills:
         rows = slice(span.start, span.start + span.length)
         q_p = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
