@@ -40,3 +40,15 @@ def test_lean_forward_logits_match_transformers(loaded_model):
 def test_unsupported_models_use_transformers_classes(loaded_model, monkeypatch):
     monkeypatch.setattr(loaded_model.model.config, "attention_bias", True, raising=False)
     assert not fast_llama.supports(loaded_model.model)
+
+
+def test_packed_linear_matches_f_linear_at_any_row_count():
+    torch.manual_seed(0)
+    weight = torch.randn(96, 40)
+    linear = fast_llama.PackedLinear(weight)
+    assert linear.packed is not None  # oneDNN is part of every CPU build of torch
+    for rows in (1, 7, 64, 300):
+        x = torch.randn(rows, 40)
+        assert torch.allclose(linear(x), torch.nn.functional.linear(x, weight), atol=1e-5, rtol=1e-5)
+    strided = torch.randn(10, 40)[::2]
+    assert torch.allclose(linear(strided), torch.nn.functional.linear(strided, weight), atol=1e-5, rtol=1e-5)

@@ -4,9 +4,11 @@ The same weights and the same maths as transformers' LlamaForCausalLM, with the 
 framework cost cut: q/k/v and gate/up projections fused into one matmul each (the original
 Linear weights become views of the fused ones, so memory is not doubled and the transformers
 path keeps working), rotary tables computed once per step, no per-layer wrappers or kwargs
-plumbing, and the LM head applied only to the rows that sample. Anything else (qwen2 with
-biases, scaled rope, other activations, ...) goes through transformers' own classes; a test
-checks this forward's logits against transformers'.
+plumbing, and the LM head applied only to the rows that sample. On the CPU every matmul runs
+through oneDNN with its weight packed once at start (`PackedLinear`): faster than the default
+BLAS call at every batch size here (1.2-2x, the LM head most), at the price of a packed copy of
+the weights. Anything else (qwen2 with biases, scaled rope, other activations, ...) goes through
+transformers' own classes; a test checks this forward's logits against transformers'.
 """
 
 from __future__ import annotations
@@ -33,6 +35,23 @@ def supports(model: torch.nn.Module) -> bool:
     )
 
 
+class PackedLinear:
+    """y = x @ W.T, with W packed once for oneDNN on the CPU (plain F.linear elsewhere)."""
+
+    BATCH_HINT = 64  # oneDNN picks the packed layout for about this many rows; any count works
+
+    def __init__(self, weight: torch.Tensor):
+        self.weight = weight
+        self.packed = None
+        if weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available():
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), self.BATCH_HINT)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is None:
+            return F.linear(x, self.weight)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+
+
 def _fuse(linears: list[torch.nn.Linear]) -> torch.Tensor:
     """Concatenate Linear weights and re-point each Linear at its slice of the fused tensor."""
     fused = torch.cat([lin.weight.data for lin in linears]).contiguous()
@@ -51,11 +70,11 @@ class _Layer:
         self.scaling = attn.scaling
         self.ln1, self.eps1 = layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon
         self.ln2, self.eps2 = layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon
-        self.qkv = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
+        self.qkv = PackedLinear(_fuse([attn.q_proj, attn.k_proj, attn.v_proj]))
         self.split = (attn.q_proj.weight.shape[0], attn.k_proj.weight.shape[0], attn.v_proj.weight.shape[0])
-        self.o = attn.o_proj.weight
-        self.gate_up = _fuse([mlp.gate_proj, mlp.up_proj])
-        self.down = mlp.down_proj.weight
+        self.o = PackedLinear(attn.o_proj.weight)
+        self.gate_up = PackedLinear(_fuse([mlp.gate_proj, mlp.up_proj]))
+        self.down = PackedLinear(mlp.down_proj.weight)
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -82,6 +101,7 @@ class FastLlamaForward:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
+        self.lm_head = PackedLinear(model.lm_head.weight)
 
     @torch.inference_mode()
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, keep: torch.Tensor) -> torch.Tensor:
@@ -91,13 +111,12 @@ class FastLlamaForward:
         total, hd = ids.shape[0], self.head_dim
         for layer in self.layers:
             x = _rms_norm(h, layer.ln1, layer.eps1)
-            q, k, v = F.linear(x, layer.qkv).split(layer.split, dim=-1)
+            q, k, v = layer.qkv(x).split(layer.split, dim=-1)
             q = _rotate(q.view(total, self.num_heads, hd), cos, sin)
             k = _rotate(k.view(total, self.num_kv_heads, hd), cos, sin)
             attn = paged_attention(layer.idx, q, k, v.view(total, self.num_kv_heads, hd), meta, layer.scaling)
-            h = h + F.linear(attn.reshape(total, -1), layer.o)
+            h = h + layer.o(attn.reshape(total, -1))
             x = _rms_norm(h, layer.ln2, layer.eps2)
-            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, layer.down)
-        h = self.inner.norm(h[keep])
-        return self.model.lm_head(h)
+            gate, up = layer.gate_up(x).chunk(2, dim=-1)
+            h = h + layer.down(F.silu(gate) * up)
+        return self.lm_head(self.inner.norm(h[keep]))
