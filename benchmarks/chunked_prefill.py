@@ -22,8 +22,9 @@ CPU seconds per run are printed next to the wall time to check it: where the wal
 differs from the CPU-time ratio, the difference is other load on the machine, not chunking. On
 the shared 2-core box (2026-11-29, `--rounds 4`, load average 3.5-4.9) the four "off" runs took
 33.0-59.9 s of wall time for 32.6-39.5 s of server CPU, the per-round on/off throughput ratio
-ranged 0.73-1.21, and the pooled CPU-time ratio was 1.01: the 1.34x of an earlier 16-request run
-is within that noise, not a property of chunking. Run more rounds on a busy machine.
+ranged 0.73-1.21, and the pooled CPU-time ratio was 1.01; a later `--rounds 4` run on a quieter
+box gave per-round ratios of 0.96-1.08, 1.007 pooled. The 1.34x of an earlier 16-request run is
+within that noise, not a property of chunking. Run more rounds on a busy machine.
 That earlier version also gave both settings a 2048-token budget, which let "off" prefill TWO
 long prompts in one iteration (a 2,034-token step): not the issue's "chunk = budget = a whole
 prompt", and a stall twice as long (the 83 % ITL P99 drop of that run was likely inflated by it).
