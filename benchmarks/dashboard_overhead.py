@@ -15,16 +15,17 @@ in alternating rounds in one run, each round in three modes:
 
 Prints output tok/s of each round, the mean per mode and its ratio to `none`, and the CPU
 seconds that the server process, the browsers and this script (load generator and simulated
-viewers) used per second of each mode (from /proc: Linux only). "of which watching" is the
-server's CPU beyond what serving the same tokens cost in the `none` rounds: the dashboard's own
-cost in the server, which machine load (other processes on the cores) does not inflate the way
-it inflates a throughput ratio.
+viewers) used per second of each mode (from /proc: Linux only). Last, with the engine idle, the
+server's CPU s/s with nobody watching and with the two simulated viewers: the dashboard's own
+cost in the server, apart from the engine's (whose torch threads take whatever CPU there is, so
+its CPU time under load says little about what watching cost).
 
 On this 2-core box the browsers (and this script) share the server's cores, so the `browsers`
 figure also counts Chromium's own rendering against the engine; an operator's browser normally
 runs on another machine, where only the server-side share (`viewers`) would remain.
 
     .venv/bin/python benchmarks/dashboard_overhead.py [--num-requests 32] [--rounds 2]
+    (--rounds 0: only the idle-engine CPU phases)
 """
 
 from __future__ import annotations
@@ -232,6 +233,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--endpoint", default="live_tick", help="what the simulated viewers call (the timer's endpoint)")
+    ap.add_argument("--idle-seconds", type=float, default=15.0, help="length of each idle-engine CPU phase")
     args = ap.parse_args()
     requests = skewed(args.num_requests, 0)
     results: list[Round] = []
@@ -248,23 +250,33 @@ def main() -> None:
                 print(f"round {rnd + 1}, {mode:8s}: {r.tok_s:5.1f} output tok/s in {r.wall_s:5.1f} s; CPU s per s: "
                       f"server {r.server_cpu_s / r.wall_s:.2f}, browsers {r.browser_cpu_s / r.wall_s:.2f}, "
                       f"script {r.script_cpu_s / r.wall_s:.2f}" + (f"; {r.note}" if r.note else ""), flush=True)
+        quiet, watched = idle_server_cpu(server, ui_url, args.endpoint, args.idle_seconds)
     print()
-    base = statistics.mean(r.tok_s for r in results if r.mode == "none")
-    # the server's CPU seconds per output token when nobody watches: what serving alone costs
-    idle = [r for r in results if r.mode == "none"]
-    serve_cpu_per_token = sum(r.server_cpu_s for r in idle) / sum(r.tok_s * r.wall_s for r in idle)
-    for mode in MODES:
+    base = statistics.mean(r.tok_s for r in results if r.mode == "none") if results else 0.0
+    for mode in MODES if results else ():
         rounds = [r for r in results if r.mode == mode]
         rate = statistics.mean(r.tok_s for r in rounds)
         wall = sum(r.wall_s for r in rounds)
         cpu = {k: sum(getattr(r, f"{k}_cpu_s") for r in rounds) / wall for k in ("server", "browser", "script")}
-        # server CPU beyond serving the same tokens: what the dashboard itself cost the server
-        watching = (sum(r.server_cpu_s for r in rounds) - serve_cpu_per_token * sum(r.tok_s * r.wall_s for r in rounds)) / wall
         label = {"none": "no dashboard", "viewers": f"{VIEWERS} simulated viewers (server-side share)",
                  "browsers": f"{VIEWERS} Chromium dashboards (server + browsers)"}[mode]
         print(f"{label:45s} {rate:6.1f} tok/s  ratio {rate / base:.3f} ({100 * (1 - rate / base):+5.1f} % loss)  "
-              f"CPU s/s: server {cpu['server']:.2f} (of which watching {watching:+.3f}), "
-              f"browsers {cpu['browser']:.2f}, script {cpu['script']:.2f}")
+              f"CPU s/s: server {cpu['server']:.2f}, browsers {cpu['browser']:.2f}, script {cpu['script']:.2f}")
+    print(f"engine idle, server CPU: nobody watching {quiet:.3f} s/s, {VIEWERS} simulated viewers {watched:.3f} s/s: "
+          f"watching costs the server {1000 * (watched - quiet):.0f} ms of CPU per second")
+
+
+def idle_server_cpu(server, ui_url: str, endpoint: str, seconds: float) -> tuple[float, float]:
+    """The server's CPU s/s with the engine idle, nobody watching vs VIEWERS simulated viewers
+    (alternately, twice each): the dashboard's own cost, apart from the engine's."""
+    rates: dict[str, list[float]] = {"none": [], "viewers": []}
+    for mode in ("none", "viewers", "viewers", "none"):
+        with viewers(ui_url, VIEWERS, endpoint) if mode == "viewers" else contextlib.nullcontext():
+            time.sleep(2.0)  # the viewers' first calls
+            cpu0, t0 = process_cpu_s(server.pid), time.monotonic()
+            time.sleep(seconds)
+            rates[mode].append((process_cpu_s(server.pid) - cpu0) / (time.monotonic() - t0))
+    return statistics.mean(rates["none"]), statistics.mean(rates["viewers"])
 
 
 if __name__ == "__main__":
