@@ -4,10 +4,11 @@ Series come from appliance.telemetry.queries (iteration rows, request latencies,
 timeline); the headline's current state from GET /admin/state and /admin/knobs.
 
 Watching must not slow serving: the Live data is computed once per tick and window for every
-session together (LiveCache: one API read, four queries and one figure build a second however
-many dashboards are open), the figures are plain dicts serialised once, a session is sent only
-the outputs that changed since its last tick, and its timer slows down (up to IDLE_REFRESH_S)
-while nothing changes and returns to REFRESH_S as soon as something does.
+session together (LiveCache: the API's state and knobs, five bounded queries and one figure
+build a second, however many dashboards are open), the figures are plain dicts serialised once,
+a session is sent only the outputs that changed since its last tick, its timer slows down (up
+to IDLE_REFRESH_S) while nothing changes and returns to REFRESH_S as soon as something does,
+and the browser redraws each chart in place (ui.live_plot).
 """
 
 from __future__ import annotations
