@@ -86,7 +86,7 @@ class ModelRunner:
         keep_rows: list[int] = []
         sample_indices: list[int] = []
 
-        # Decode rows, longest context first (see decode_groups): context = every computed token
+        # Decode rows, longest context first (see _decode_groups): context = every computed token
         # plus the new one.
         decodes.sort(key=lambda item: -item.seq.num_computed_tokens)
         ctx_lens: list[int] = []
@@ -102,11 +102,10 @@ class ModelRunner:
             positions.append(0)
             slot_mapping.append(self.scratch_slot)
             ctx_lens.append(1)
-        n_dec_rows = len(ctx_lens)
         keep_rows.extend(range(len(decodes)))
         sample_indices.extend(index_of[id(item)] for item in decodes)
 
-        groups = self._decode_groups(decodes, ctx_lens) if n_dec_rows else []
+        groups = self._decode_groups(decodes, ctx_lens)
 
         spans: list[PrefillSpan] = []
         for item in prefills:
@@ -126,7 +125,6 @@ class ModelRunner:
 
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device),
-            num_decode_rows=n_dec_rows,
             decode_groups=groups,
             prefills=spans,
             kv_caches=self.kv_caches,

@@ -43,7 +43,6 @@ class AttentionMetadata:
     """Everything the attention function needs for one iteration (built once, used by all layers)."""
 
     slot_mapping: torch.Tensor  # [T] cache slot of each packed token
-    num_decode_rows: int  # decode rows come first in the packed batch
     decode_groups: list[DecodeGroup]  # the decode rows, cut into groups of similar context length
     prefills: list[PrefillSpan]
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: K, V as [kv_heads, slots, dim]
