@@ -164,7 +164,7 @@ class LoadTests:
         return generator
 
     def _run(self, job: Job, spec: LoadSpec) -> None:
-        try:
+        def work() -> None:
             if job.is_ab:
                 job.ab = asyncio.run(run_ab(lambda: self._next_generator(job, spec), workload=spec.workload,
                                             name=spec.name, db_url=self.db_url))
@@ -174,12 +174,21 @@ class LoadTests:
                 generator = self._next_generator(job, spec)
                 job.legs[0].run = asyncio.run(run_benchmark(generator, workload=spec.workload,
                                                             name=spec.name, db_url=self.db_url))
-        except BenchError as exc:
-            job.error = str(exc)
-        except Exception as exc:  # shown to the operator; the job must always end
-            job.error = f"{type(exc).__name__}: {exc}"
-        finally:
-            job.done.set()
+
+        run_to_end(job, work)
+
+
+def run_to_end(job: Any, work: Callable[[], None]) -> None:
+    """Run a background job's work; any failure becomes `job.error` (shown to the operator), and
+    `job.done` is set whatever happens."""
+    try:
+        work()
+    except BenchError as exc:
+        job.error = str(exc)
+    except Exception as exc:  # shown to the operator; the job must always end
+        job.error = f"{type(exc).__name__}: {exc}"
+    finally:
+        job.done.set()
 
 
 def generator_factory(base_url: str, api_key: str | None) -> Callable[..., LoadGenerator]:

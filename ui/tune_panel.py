@@ -34,7 +34,7 @@ from appliance.bench.tune import (
 )
 from appliance.bench.tune_report import pareto_figure, render_sweep, summary_lines
 from ui.context import DashboardContext
-from ui.loadtest_tab import LoadSpec, LoadTests, build_spec
+from ui.loadtest_tab import LoadSpec, LoadTests, build_spec, run_to_end
 
 DEFAULT_GRID = {"max_num_seqs": "8,32", "max_num_batched_tokens": "512", "long_prefill_token_threshold": "64,256"}
 DEFAULT_SLO = "ttft=2s,tpot=250ms"
@@ -140,19 +140,16 @@ class Sweeps:
 
     def _run(self, job: SweepJob) -> None:
         spec = job.spec
-        try:
+
+        def work() -> None:
             job.result = run_sweep(
                 spec.load.requests, spec.slo, base_url=self.base_url, grid=spec.grid, refine=spec.refine,
                 apply=False, attainment=spec.attainment, rate=spec.load.rate,
                 concurrency=spec.load.concurrency, seed=spec.load.seed, api_key=self.api_key,
                 db_url=self.tests.db_url, workload=spec.load.workload, progress=job.lines.append,
                 cancel=job.stop, on_point=job.points.append, on_generator=job.watch)
-        except BenchError as exc:
-            job.error = str(exc)
-        except Exception as exc:  # shown to the operator; the job must always end
-            job.error = f"{type(exc).__name__}: {exc}"
-        finally:
-            job.done.set()
+
+        run_to_end(job, work)
 
     def apply(self, result: SweepResult) -> dict[str, Any]:
         return apply_recommendation_at(result, self.base_url, self.api_key)
