@@ -39,6 +39,12 @@ def reference(loaded_model):
     return refs
 
 
+@pytest.fixture(params=["kernel", "sdpa"])
+def decode_kernel(request) -> bool:
+    """Both decode-attention paths: the C kernel over the paged cache, SDPA over gathered blocks."""
+    return request.param == "kernel"
+
+
 def _engine_tokens(engine):
     # min_tokens bans EOS exactly as transformers' min_new_tokens does, so lengths match.
     params = SamplingParams(max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS, temperature=0)
@@ -47,14 +53,16 @@ def _engine_tokens(engine):
     return [o.token_ids for o in outs]
 
 
-def test_parity_all_at_once(make_engine, reference):
-    engine = make_engine(max_num_seqs=16, max_num_batched_tokens=1024, long_prefill_token_threshold=1024)
+def test_parity_all_at_once(make_engine, reference, decode_kernel):
+    engine = make_engine(max_num_seqs=16, max_num_batched_tokens=1024, long_prefill_token_threshold=1024,
+                         decode_kernel=decode_kernel)
+    assert (engine.runner.decode_kernel is not None) == decode_kernel  # gcc is on every machine we test on
     assert _engine_tokens(engine) == reference
 
 
-def test_parity_multi_chunk_prefill(make_engine, reference, record_iterations):
+def test_parity_multi_chunk_prefill(make_engine, reference, record_iterations, decode_kernel):
     engine = make_engine(max_num_seqs=16, max_num_batched_tokens=64, long_prefill_token_threshold=16,
-                         max_num_partial_prefills=3, max_long_partial_prefills=2)
+                         max_num_partial_prefills=3, max_long_partial_prefills=2, decode_kernel=decode_kernel)
     stats = record_iterations(engine)
     assert _engine_tokens(engine) == reference
     lengths = [len(engine.encode_prompt(p)) for p in PROMPTS]
@@ -64,24 +72,25 @@ def test_parity_multi_chunk_prefill(make_engine, reference, record_iterations):
     assert sum(1 for s in stats if s.prefill_tokens) >= -(-max(lengths) // 16) > 1
 
 
-def test_parity_under_preemption(make_engine, reference, record_iterations):
+def test_parity_under_preemption(make_engine, reference, record_iterations, decode_kernel):
     # 10 sequences need ~95 blocks of 4 tokens at their longest; 48 forces preemption.
     engine = make_engine(num_blocks=48, block_size=4, max_num_seqs=16, max_num_batched_tokens=256,
-                         long_prefill_token_threshold=256, max_num_partial_prefills=4)
+                         long_prefill_token_threshold=256, max_num_partial_prefills=4, decode_kernel=decode_kernel)
     stats = record_iterations(engine)
     assert _engine_tokens(engine) == reference
     assert sum(s.preemptions for s in stats) > 0
 
 
-def test_static_policy_same_answers(make_engine, reference):
-    engine = make_engine(max_num_seqs=4, max_num_batched_tokens=256, scheduling_policy="static")
+def test_static_policy_same_answers(make_engine, reference, decode_kernel):
+    engine = make_engine(max_num_seqs=4, max_num_batched_tokens=256, scheduling_policy="static", decode_kernel=decode_kernel)
     assert _engine_tokens(engine) == reference
 
 
 def test_parity_with_decode_rows_in_length_groups(make_engine, reference):
     # Blocks of 4 tokens: the prompts' contexts span 2 to 14 blocks, so decode rows are cut into
     # several groups of similar length, each attended in its own call.
-    engine = make_engine(block_size=4, max_num_seqs=16, max_num_batched_tokens=1024, long_prefill_token_threshold=1024)
+    engine = make_engine(block_size=4, max_num_seqs=16, max_num_batched_tokens=1024, long_prefill_token_threshold=1024,
+                         decode_kernel=False)
     seen = []
     build = engine.runner._decode_groups
 

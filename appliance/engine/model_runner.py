@@ -12,9 +12,9 @@ from dataclasses import dataclass
 import torch
 
 from ..model_loader import LoadedModel
-from . import fast_llama
+from . import cpu_kernel, fast_llama
 from .fast_llama import FastLlamaForward
-from .paged_attention import ATTN_IMPLEMENTATION, AttentionMetadata, DecodeGroup, PrefillSpan
+from .paged_attention import ATTN_IMPLEMENTATION, AttentionMetadata, BlockGather, DecodeGroup, KernelDecode, PrefillSpan
 from .scheduler import SchedulerOutput
 
 log = logging.getLogger(__name__)
@@ -48,7 +48,8 @@ class ForwardResult:
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, fast_forward: bool = True):
+    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, fast_forward: bool = True,
+                 decode_kernel: bool = True):
         self.loaded = loaded
         self.model = loaded.model
         self.device = loaded.device
@@ -58,6 +59,14 @@ class ModelRunner:
         self.fast = FastLlamaForward(self.model) if fast_forward and fast_llama.supports(self.model) else None
         log.info("forward: %s", "lean llama forward" if self.fast else f"transformers {type(self.model).__name__}")
         self.spec = kv_cache_spec(loaded)
+        cfg = self.model.config
+        kernel = cpu_kernel.load() if decode_kernel and self.device.type == "cpu" else None
+        if kernel is not None and kernel.supports(loaded.dtype, self.device, cfg.num_attention_heads,
+                                                  self.spec.num_kv_heads, self.spec.head_dim):
+            self.decode_kernel = kernel
+        else:
+            self.decode_kernel = None
+        log.info("decode attention: %s", "C kernel over the paged cache" if self.decode_kernel else "SDPA over gathered blocks")
         # One extra block at the end is scratch space for padding rows; it is never handed out.
         slots = (num_blocks + 1) * block_size
         self.scratch_slot = num_blocks * block_size
@@ -67,6 +76,7 @@ class ModelRunner:
              torch.zeros(shape, dtype=loaded.dtype, device=self.device))
             for _ in range(self.spec.num_layers)
         ]
+        self._gather_buffers = (torch.empty(0, dtype=loaded.dtype, device=self.device),) * 2
 
     def _slots(self, block_table: list[int], start: int, end: int) -> list[int]:
         bs = self.block_size
@@ -105,7 +115,10 @@ class ModelRunner:
         keep_rows.extend(range(len(decodes)))
         sample_indices.extend(index_of[id(item)] for item in decodes)
 
-        groups = self._decode_groups(decodes, ctx_lens)
+        if self.decode_kernel is not None:
+            groups, kernel_decode = [], self._kernel_decode(decodes, ctx_lens)
+        else:
+            groups, kernel_decode = self._decode_groups(decodes, ctx_lens), None
 
         spans: list[PrefillSpan] = []
         for item in prefills:
@@ -115,10 +128,8 @@ class ModelRunner:
             input_ids.extend(seq.tokens(start, start + n))
             positions.extend(range(start, start + n))
             slot_mapping.extend(self._slots(seq.block_table, start, start + n))
-            ctx = None
-            if start > 0:
-                ctx = torch.tensor(self._slots(seq.block_table, 0, start + n), dtype=torch.long, device=device)
-            spans.append(PrefillSpan(row, n, ctx))
+            ctx = self._block_gather([seq.block_table], -(-(start + n) // self.block_size)) if start > 0 else None
+            spans.append(PrefillSpan(row, n, start, ctx))
             if start + n == seq.num_tokens:  # context caught up: this row's logits give a token
                 keep_rows.append(row + n - 1)
                 sample_indices.append(index_of[id(item)])
@@ -126,8 +137,10 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device),
             decode_groups=groups,
+            kernel_decode=kernel_decode,
             prefills=spans,
             kv_caches=self.kv_caches,
+            gather_buffers=self._buffers_for([g.context for g in groups] + [s.context for s in spans if s.context]),
             block_size=self.block_size,
         )
         ids = torch.tensor(input_ids, dtype=torch.long, device=device)
@@ -145,17 +158,39 @@ class ModelRunner:
         groups of similar length so that short contexts are not padded to the longest one."""
         bs = self.block_size
         tables = [item.seq.block_table for item in decodes]
-        tables += [[self.num_blocks]] * (len(ctx_lens) - len(decodes))  # padding rows: the scratch block
+        tables += [[]] * (len(ctx_lens) - len(decodes))  # padding rows: the scratch block only
         groups = []
         for start, end in length_groups([-(-n // bs) for n in ctx_lens]):
             width = -(-ctx_lens[start] // bs)
-            scratch = [self.num_blocks] * width
-            table = torch.tensor([(t[:width] + scratch)[:width] for t in tables[start:end]], dtype=torch.long, device=self.device)
             offsets = torch.arange(width * bs, device=self.device)
             lens = torch.tensor(ctx_lens[start:end], device=self.device)
             mask = (offsets.unsqueeze(0) < lens.unsqueeze(1))[:, None, None, :]
-            groups.append(DecodeGroup(start, table, mask))
+            groups.append(DecodeGroup(start, self._block_gather(tables[start:end], width), mask))
         return groups
+
+    def _kernel_decode(self, decodes, ctx_lens: list[int]) -> KernelDecode | None:
+        """Block tables (padded with the scratch block) and context lengths of every decode row."""
+        if not ctx_lens:
+            return None
+        width = -(-max(ctx_lens) // self.block_size)
+        scratch = [self.num_blocks] * width
+        tables = [item.seq.block_table for item in decodes] + [[]] * (len(ctx_lens) - len(decodes))
+        block_tables = torch.tensor([(t[:width] + scratch)[:width] for t in tables], dtype=torch.long, device=self.device)
+        return KernelDecode(self.decode_kernel, block_tables, torch.tensor(ctx_lens, dtype=torch.long, device=self.device))
+
+    def _block_gather(self, tables: list[list[int]], width: int) -> BlockGather:
+        """The first `width` blocks of each table (padded with the scratch block), for every KV head."""
+        scratch = [self.num_blocks] * width
+        rows = torch.tensor([(t[:width] + scratch)[:width] for t in tables], dtype=torch.long, device=self.device)
+        heads = torch.arange(self.spec.num_kv_heads, device=self.device) * (self.num_blocks + 1)
+        return BlockGather((heads[:, None, None] + rows).flatten(), len(tables), width)
+
+    def _buffers_for(self, gathers: list[BlockGather]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scratch for the largest of this step's gathers; kept (and only grown) across steps."""
+        need = max((g.index.numel() for g in gathers), default=0) * self.block_size * self.spec.head_dim
+        if need > self._gather_buffers[0].numel():
+            self._gather_buffers = tuple(torch.empty(need, dtype=self.spec.dtype, device=self.device) for _ in range(2))
+        return self._gather_buffers
 
 
 def length_groups(blocks: list[int], slack: int = 4) -> list[tuple[int, int]]:

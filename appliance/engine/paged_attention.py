@@ -5,8 +5,9 @@ transformers' attention modules project and rotate q/k/v for the packed tokens o
 keys and values into the engine's block-paged cache (slot mapping) and attends each token to its
 own sequence's cached context:
 
-- decode rows (one new token each) in a few batched SDPA calls, one per group of similar
-  context length, over contexts gathered block by block;
+- decode rows (one new token each) by the C kernel reading the paged cache in place
+  (cpu_kernel), or else in a few batched SDPA calls, one per group of similar context length,
+  over contexts gathered block by block;
 - prefill chunks one sequence at a time, causal within the chunk and over the cached prefix.
 """
 
@@ -19,14 +20,29 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from .cpu_kernel import PagedDecodeKernel
+
 ATTN_IMPLEMENTATION = "appliance_paged"
+
+
+@dataclass
+class BlockGather:
+    """Cache blocks to copy out, for every KV head, into a dense [rows, KVH, width * block_size, dim]
+    context: `index` lists rows of the cache viewed as [KVH * blocks, block_size * dim], head-major
+    (every row's blocks for head 0, then for head 1, ...), so one index_select on dim 0 moves
+    whole blocks (contiguous runs of block_size * dim values)."""
+
+    index: torch.Tensor  # [KVH * rows * width]
+    rows: int
+    width: int  # blocks per row (shorter rows are padded with the scratch block)
 
 
 @dataclass
 class PrefillSpan:
     start: int  # first row of this chunk in the packed batch
     length: int  # tokens in this chunk
-    context_slots: torch.Tensor | None  # cache slots of the whole context (prefix + chunk); None if no prefix
+    prefix: int  # tokens of this sequence already in the cache
+    context: BlockGather | None  # blocks of the whole context (prefix + chunk); None if no prefix
 
 
 @dataclass
@@ -34,8 +50,21 @@ class DecodeGroup:
     """Decode rows of similar context length, attended together in one SDPA call."""
 
     start: int  # first row of the group in the packed batch
-    blocks: torch.Tensor  # [n, B] block table of each row, padded with the scratch block
-    mask: torch.Tensor  # [n, 1, 1, B * block_size] True where a slot holds real context
+    context: BlockGather  # each row's blocks, padded with the scratch block to the group's width
+    mask: torch.Tensor  # [n, 1, 1, width * block_size] True where a slot holds real context
+
+
+@dataclass
+class KernelDecode:
+    """All decode rows (the first `rows` packed rows), attended by the C kernel in one call."""
+
+    kernel: PagedDecodeKernel
+    block_tables: torch.Tensor  # [rows, width] int64, padded with the scratch block
+    ctx_lens: torch.Tensor  # [rows] int64
+
+    @property
+    def rows(self) -> int:
+        return self.ctx_lens.shape[0]
 
 
 @dataclass
@@ -44,21 +73,24 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor  # [T] cache slot of each packed token
     decode_groups: list[DecodeGroup]  # the decode rows, cut into groups of similar context length
+    kernel_decode: KernelDecode | None  # or, with the C kernel, all of them at once (groups empty)
     prefills: list[PrefillSpan]
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: K, V as [kv_heads, slots, dim]
+    gather_buffers: tuple[torch.Tensor, torch.Tensor]  # flat scratch for K and V contexts, reused by every gather
     block_size: int = 16
 
 
-def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, block_size: int) -> torch.Tensor:
-    """cache [KVH, slots, dim] and block tables [D, B] -> context [D, KVH, B * block_size, dim].
+def _gather(cache: torch.Tensor, context: BlockGather, buffer: torch.Tensor, block_size: int) -> torch.Tensor:
+    """cache [KVH, slots, dim] -> context [rows, KVH, width * block_size, dim], copied into `buffer`.
 
-    One index_select of whole blocks (contiguous runs of block_size * dim values); the result is
-    a view whose every (row, head) matrix is contiguous, as SDPA wants it."""
-    rows, width = blocks.shape
+    Written into a buffer that lives across layers and steps (no fresh pages to fault in per
+    call), by an index_select on dim 0 (memcpy of whole blocks; on other dims it copies element by
+    element). The result is a view whose every (row, head) matrix is contiguous, as SDPA wants."""
     kv_heads, _, head_dim = cache.shape
-    paged = cache.view(kv_heads, -1, block_size, head_dim)
-    gathered = paged.index_select(1, blocks.flatten())  # [KVH, D * B, block_size, dim]
-    return gathered.view(kv_heads, rows, width * block_size, head_dim).transpose(0, 1)
+    block = block_size * head_dim
+    out = buffer[: context.index.numel() * block].view(-1, block)
+    torch.index_select(cache.view(-1, block), 0, context.index, out=out)
+    return out.view(kv_heads, context.rows, context.width * block_size, head_dim).transpose(0, 1)
 
 
 def paged_attention(
@@ -71,26 +103,30 @@ def paged_attention(
     total, num_heads, head_dim = q.shape
     kv_heads = k.shape[1]
     out = q.new_empty(total, num_heads, head_dim)
+    k_buf, v_buf = meta.gather_buffers
+    if meta.kernel_decode is not None:
+        dec = meta.kernel_decode
+        dec.kernel(q[: dec.rows], k_cache, v_cache, dec.block_tables, dec.ctx_lens, meta.block_size, scaling, out[: dec.rows])
     for group in meta.decode_groups:
         # The query heads that share a KV head become extra "query rows": no KV repeat needed.
-        n = group.blocks.shape[0]
+        n = group.context.rows
         rows = slice(group.start, group.start + n)
         q_dec = q[rows].reshape(n, kv_heads, num_heads // kv_heads, head_dim)
-        k_dec = _gather_blocks(k_cache, group.blocks, meta.block_size)  # [n, KVH, L, dim]
-        v_dec = _gather_blocks(v_cache, group.blocks, meta.block_size)
+        k_dec = _gather(k_cache, group.context, k_buf, meta.block_size)  # [n, KVH, L, dim]
+        v_dec = _gather(v_cache, group.context, v_buf, meta.block_size)
         o = F.scaled_dot_product_attention(q_dec, k_dec, v_dec, attn_mask=group.mask, scale=scaling)
         out[rows] = o.reshape(n, num_heads, head_dim)
     for span in meta.prefills:
         rows = slice(span.start, span.start + span.length)
         q_p = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
-        if span.context_slots is None:
+        if span.context is None:
             k_p = k[rows].transpose(0, 1).unsqueeze(0)
             v_p = v[rows].transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(q_p, k_p, v_p, is_causal=True, scale=scaling, enable_gqa=True)
         else:
-            ctx = span.context_slots.numel()
-            k_p = k_cache.index_select(1, span.context_slots).unsqueeze(0)  # [1, KVH, L, D]
-            v_p = v_cache.index_select(1, span.context_slots).unsqueeze(0)
+            ctx = span.prefix + span.length
+            k_p = _gather(k_cache, span.context, k_buf, meta.block_size)[:, :, :ctx]  # [1, KVH, L, D]
+            v_p = _gather(v_cache, span.context, v_buf, meta.block_size)[:, :, :ctx]
             q_pos = torch.arange(ctx - span.length, ctx, device=q.device).unsqueeze(1)
             mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= q_pos  # [q, L]
             o = F.scaled_dot_product_attention(q_p, k_p, v_p, attn_mask=mask, scale=scaling, enable_gqa=True)
