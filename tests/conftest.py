@@ -46,9 +46,10 @@ def make_engine(loaded_model):
     from appliance.engine import EngineConfig, Knobs, LLMEngine
 
     def build(num_blocks: int = 512, block_size: int = 16, max_model_len: int | None = None,
-              decode_kernel: bool = True, **knobs) -> LLMEngine:
+              cpu_kernels: bool = True, fast_forward: bool = True, **knobs) -> LLMEngine:
         cfg = EngineConfig(dtype="float32", device="cpu", num_blocks=num_blocks, block_size=block_size,
-                           max_model_len=max_model_len, decode_kernel=decode_kernel, knobs=Knobs(**knobs))
+                           max_model_len=max_model_len, cpu_kernels=cpu_kernels,
+                           fast_forward=fast_forward, knobs=Knobs(**knobs))
         return LLMEngine(cfg, loaded=loaded_model)
 
     return build

@@ -39,10 +39,11 @@ def reference(loaded_model):
     return refs
 
 
-@pytest.fixture(params=["kernel", "sdpa"])
-def decode_kernel(request) -> bool:
-    """Both decode-attention paths: the C kernel over the paged cache, SDPA over gathered blocks."""
-    return request.param == "kernel"
+@pytest.fixture(params=["c-kernels", "torch"])
+def cpu_kernels(request) -> bool:
+    """Both CPU paths: the C kernels (decode attention over the paged cache, fused elementwise ops)
+    and torch alone (SDPA over gathered blocks)."""
+    return request.param == "c-kernels"
 
 
 def _engine_tokens(engine):
@@ -53,16 +54,25 @@ def _engine_tokens(engine):
     return [o.token_ids for o in outs]
 
 
-def test_parity_all_at_once(make_engine, reference, decode_kernel):
+def test_parity_all_at_once(make_engine, reference, cpu_kernels):
     engine = make_engine(max_num_seqs=16, max_num_batched_tokens=1024, long_prefill_token_threshold=1024,
-                         decode_kernel=decode_kernel)
-    assert (engine.runner.decode_kernel is not None) == decode_kernel  # gcc is on every machine we test on
+                         cpu_kernels=cpu_kernels)
+    assert (engine.runner.decode_kernel is not None) == cpu_kernels  # gcc is on every machine we test on
     assert _engine_tokens(engine) == reference
 
 
-def test_parity_multi_chunk_prefill(make_engine, reference, record_iterations, decode_kernel):
+def test_parity_through_transformers_classes(make_engine, reference, cpu_kernels):
+    # The fallback for models the lean forward does not cover: transformers' own layers calling
+    # the paged attention through its attention interface (query/key/value arrive transposed).
+    engine = make_engine(max_num_seqs=16, max_num_batched_tokens=1024, long_prefill_token_threshold=1024,
+                         fast_forward=False, cpu_kernels=cpu_kernels)
+    assert engine.runner.fast is None
+    assert _engine_tokens(engine) == reference
+
+
+def test_parity_multi_chunk_prefill(make_engine, reference, record_iterations, cpu_kernels):
     engine = make_engine(max_num_seqs=16, max_num_batched_tokens=64, long_prefill_token_threshold=16,
-                         max_num_partial_prefills=3, max_long_partial_prefills=2, decode_kernel=decode_kernel)
+                         max_num_partial_prefills=3, max_long_partial_prefills=2, cpu_kernels=cpu_kernels)
     stats = record_iterations(engine)
     assert _engine_tokens(engine) == reference
     lengths = [len(engine.encode_prompt(p)) for p in PROMPTS]
@@ -72,17 +82,17 @@ def test_parity_multi_chunk_prefill(make_engine, reference, record_iterations, d
     assert sum(1 for s in stats if s.prefill_tokens) >= -(-max(lengths) // 16) > 1
 
 
-def test_parity_under_preemption(make_engine, reference, record_iterations, decode_kernel):
+def test_parity_under_preemption(make_engine, reference, record_iterations, cpu_kernels):
     # 10 sequences need ~95 blocks of 4 tokens at their longest; 48 forces preemption.
     engine = make_engine(num_blocks=48, block_size=4, max_num_seqs=16, max_num_batched_tokens=256,
-                         long_prefill_token_threshold=256, max_num_partial_prefills=4, decode_kernel=decode_kernel)
+                         long_prefill_token_threshold=256, max_num_partial_prefills=4, cpu_kernels=cpu_kernels)
     stats = record_iterations(engine)
     assert _engine_tokens(engine) == reference
     assert sum(s.preemptions for s in stats) > 0
 
 
-def test_static_policy_same_answers(make_engine, reference, decode_kernel):
-    engine = make_engine(max_num_seqs=4, max_num_batched_tokens=256, scheduling_policy="static", decode_kernel=decode_kernel)
+def test_static_policy_same_answers(make_engine, reference, cpu_kernels):
+    engine = make_engine(max_num_seqs=4, max_num_batched_tokens=256, scheduling_policy="static", cpu_kernels=cpu_kernels)
     assert _engine_tokens(engine) == reference
 
 
@@ -90,7 +100,7 @@ def test_parity_with_decode_rows_in_length_groups(make_engine, reference):
     # Blocks of 4 tokens: the prompts' contexts span 2 to 14 blocks, so decode rows are cut into
     # several groups of similar length, each attended in its own call.
     engine = make_engine(block_size=4, max_num_seqs=16, max_num_batched_tokens=1024, long_prefill_token_threshold=1024,
-                         decode_kernel=False)
+                         cpu_kernels=False)
     seen = []
     build = engine.runner._decode_groups
 

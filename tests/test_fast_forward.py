@@ -27,13 +27,15 @@ def test_lean_forward_logits_match_transformers(loaded_model):
     prompt = loaded_model.tokenizer.encode("The lean forward must agree with transformers, chunk by chunk, to the last digit.")
     with torch.inference_mode():
         reference = loaded_model.model(torch.tensor([prompt])).logits[0, -1].float()
-    for fast in (True, False):
-        cfg = EngineConfig(dtype="float32", device="cpu", num_blocks=64, fast_forward=fast,
+    for fast, kernels in ((True, True), (True, False), (False, True), (False, False)):
+        cfg = EngineConfig(dtype="float32", device="cpu", num_blocks=64, fast_forward=fast, cpu_kernels=kernels,
                            knobs=Knobs(max_num_batched_tokens=64, long_prefill_token_threshold=8))
         engine = LLMEngine(cfg, loaded=loaded_model)
         assert (engine.runner.fast is not None) == fast
+        if fast:
+            assert (engine.runner.fast.kernels is not None) == kernels
         got = _last_logits(engine, prompt)
-        assert torch.allclose(got, reference, atol=1e-3, rtol=1e-4), (fast, (got - reference).abs().max())
+        assert torch.allclose(got, reference, atol=1e-3, rtol=1e-4), (fast, kernels, (got - reference).abs().max())
         assert got.argmax() == reference.argmax()
 
 
@@ -52,3 +54,6 @@ def test_packed_linear_matches_f_linear_at_any_row_count():
         assert torch.allclose(linear(x), torch.nn.functional.linear(x, weight), atol=1e-5, rtol=1e-5)
     strided = torch.randn(10, 40)[::2]
     assert torch.allclose(linear(strided), torch.nn.functional.linear(strided, weight), atol=1e-5, rtol=1e-5)
+    residual = torch.randn(5, 96)
+    assert torch.allclose(linear(strided, residual=residual), residual + torch.nn.functional.linear(strided, weight),
+                          atol=1e-5, rtol=1e-5)

@@ -39,7 +39,7 @@ class EngineConfig:
     knobs: Knobs = field(default_factory=Knobs)
     seed: int = 0
     fast_forward: bool = True  # lean llama forward where supported (else transformers' classes)
-    decode_kernel: bool = True  # C paged decode attention on the CPU where it builds (else SDPA over gathered blocks)
+    cpu_kernels: bool = True  # C kernels on the CPU where they build: decode attention, elementwise ops (else torch)
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or not 1 <= self.block_size <= 1024:

@@ -57,7 +57,7 @@ class LLMEngine:
 
         num_blocks = self._num_blocks()
         self.block_manager = BlockManager(num_blocks, config.block_size)
-        self.runner = ModelRunner(self.loaded, num_blocks, config.block_size, config.fast_forward, config.decode_kernel)
+        self.runner = ModelRunner(self.loaded, num_blocks, config.block_size, config.fast_forward, config.cpu_kernels)
         capacity = num_blocks * config.block_size
         limit = min(self.loaded.model.config.max_position_embeddings, capacity)
         if config.max_model_len is not None and config.max_model_len > limit:

@@ -5,9 +5,11 @@ framework cost cut: q/k/v and gate/up projections fused into one matmul each (th
 Linear weights become views of the fused ones, so memory is not doubled and the transformers
 path keeps working), rotary tables computed once per step, no per-layer wrappers or kwargs
 plumbing, and the LM head applied only to the rows that sample. On the CPU every matmul runs
-through oneDNN with its weight packed once at start (`PackedLinear`): faster than the default
-BLAS call at every batch size here (1.2-2x, the LM head most), at the price of a packed copy of
-the weights. Anything else (qwen2 with biases, scaled rope, other activations, ...) goes through
+through oneDNN with its weight packed once at start (`PackedLinear`, residual adds fused into
+the output projections): faster than the default BLAS call at every batch size here (1.2-2x,
+the LM head most), at the price of a packed copy of the weights. With the C kernels
+(cpu_kernels) the norms, the rotary embedding and the gated activation take one pass each.
+Anything else (qwen2 with biases, scaled rope, other activations, ...) goes through
 transformers' own classes; a test checks this forward's logits against transformers'.
 """
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .cpu_kernels import CpuKernels
 from .paged_attention import AttentionMetadata, paged_attention
 
 SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM")
@@ -36,7 +39,7 @@ def supports(model: torch.nn.Module) -> bool:
 
 
 class PackedLinear:
-    """y = x @ W.T, with W packed once for oneDNN on the CPU (plain F.linear elsewhere)."""
+    """y = x @ W.T (+ residual), with W packed once for oneDNN on the CPU (plain F.linear elsewhere)."""
 
     BATCH_HINT = 64  # oneDNN picks the packed layout for about this many rows; any count works
 
@@ -46,10 +49,13 @@ class PackedLinear:
         if weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available():
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), self.BATCH_HINT)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         if self.packed is None:
-            return F.linear(x, self.weight)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+            y = F.linear(x, self.weight)
+            return y if residual is None else residual + y
+        if residual is None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+        return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.packed, None, "add")
 
 
 def _fuse(linears: list[torch.nn.Linear]) -> torch.Tensor:
@@ -93,7 +99,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 class FastLlamaForward:
     """Callable like the runner's model call: (ids [T], positions [T], meta, keep rows) -> logits."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, kernels: CpuKernels | None = None):
         cfg = model.config
         self.model = model
         self.inner = model.model
@@ -102,21 +108,42 @@ class FastLlamaForward:
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.lm_head = PackedLinear(model.lm_head.weight)
+        weight = model.lm_head.weight
+        self.kernels = kernels if kernels is not None and kernels.supports(weight.dtype, weight.device) else None
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return self.kernels.rms_norm(x, weight, eps) if self.kernels else _rms_norm(x, weight, eps)
+
+    def _qkv(self, layer: _Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Project, rotate q and k; q [T, H, D], k/v [T, KVH, D] (views of one buffer with the kernels)."""
+        total, hd = x.shape[0], self.head_dim
+        qkv = layer.qkv(x)
+        if self.kernels:  # q's and k's heads are adjacent in the fused output: one pass rotates both
+            self.kernels.rotary_(qkv, self.num_heads + self.num_kv_heads, hd, cos, sin)
+            q, k, v = qkv.split(layer.split, dim=-1)
+            return q.view(total, self.num_heads, hd), k.view(total, self.num_kv_heads, hd), v.view(total, self.num_kv_heads, hd)
+        q, k, v = qkv.split(layer.split, dim=-1)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [T, 1, D]
+        q = _rotate(q.view(total, self.num_heads, hd), cos, sin)
+        k = _rotate(k.view(total, self.num_kv_heads, hd), cos, sin)
+        return q, k, v.view(total, self.num_kv_heads, hd)
+
+    def _act(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self.kernels:
+            return self.kernels.silu_mul(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
 
     @torch.inference_mode()
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, keep: torch.Tensor) -> torch.Tensor:
         h = self.inner.embed_tokens(ids)  # [T, hidden]
         cos, sin = self.inner.rotary_emb(h.unsqueeze(0), positions.unsqueeze(0))
-        cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)  # [T, 1, D]
-        total, hd = ids.shape[0], self.head_dim
+        cos, sin = cos[0].contiguous(), sin[0].contiguous()  # [T, D]
+        total = ids.shape[0]
         for layer in self.layers:
-            x = _rms_norm(h, layer.ln1, layer.eps1)
-            q, k, v = layer.qkv(x).split(layer.split, dim=-1)
-            q = _rotate(q.view(total, self.num_heads, hd), cos, sin)
-            k = _rotate(k.view(total, self.num_kv_heads, hd), cos, sin)
-            attn = paged_attention(layer.idx, q, k, v.view(total, self.num_kv_heads, hd), meta, layer.scaling)
-            h = h + layer.o(attn.reshape(total, -1))
-            x = _rms_norm(h, layer.ln2, layer.eps2)
-            gate, up = layer.gate_up(x).chunk(2, dim=-1)
-            h = h + layer.down(F.silu(gate) * up)
-        return self.lm_head(self.inner.norm(h[keep]))
+            q, k, v = self._qkv(layer, self._norm(h, layer.ln1, layer.eps1), cos, sin)
+            attn = paged_attention(layer.idx, q, k, v, meta, layer.scaling)
+            h = layer.o(attn.view(total, -1), residual=h)
+            h = layer.down(self._act(layer.gate_up(self._norm(h, layer.ln2, layer.eps2))), residual=h)
+        norm = self.inner.norm
+        return self.lm_head(self._norm(h[keep], norm.weight, norm.variance_epsilon))

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from ..model_loader import LoadedModel
-from . import cpu_kernel, fast_llama
+from . import cpu_kernels, fast_llama
 from .fast_llama import FastLlamaForward
 from .paged_attention import ATTN_IMPLEMENTATION, AttentionMetadata, BlockGather, DecodeGroup, KernelDecode, PrefillSpan
 from .scheduler import SchedulerOutput
@@ -49,24 +49,25 @@ class ForwardResult:
 
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, fast_forward: bool = True,
-                 decode_kernel: bool = True):
+                 use_kernels: bool = True):
         self.loaded = loaded
         self.model = loaded.model
         self.device = loaded.device
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.model.config._attn_implementation = ATTN_IMPLEMENTATION
-        self.fast = FastLlamaForward(self.model) if fast_forward and fast_llama.supports(self.model) else None
-        log.info("forward: %s", "lean llama forward" if self.fast else f"transformers {type(self.model).__name__}")
         self.spec = kv_cache_spec(loaded)
+        wanted = use_kernels and cpu_kernels.CpuKernels.supports(loaded.dtype, self.device)
+        kernels = cpu_kernels.load() if wanted else None
         cfg = self.model.config
-        kernel = cpu_kernel.load() if decode_kernel and self.device.type == "cpu" else None
-        if kernel is not None and kernel.supports(loaded.dtype, self.device, cfg.num_attention_heads,
-                                                  self.spec.num_kv_heads, self.spec.head_dim):
-            self.decode_kernel = kernel
-        else:
-            self.decode_kernel = None
-        log.info("decode attention: %s", "C kernel over the paged cache" if self.decode_kernel else "SDPA over gathered blocks")
+        attention_ok = kernels is not None and kernels.supports_attention(
+            loaded.dtype, self.device, cfg.num_attention_heads, self.spec.num_kv_heads, self.spec.head_dim)
+        self.decode_kernel = kernels if attention_ok else None
+        self.fast = FastLlamaForward(self.model, kernels) if fast_forward and fast_llama.supports(self.model) else None
+        log.info("forward: %s%s; decode attention: %s",
+                 "lean llama forward" if self.fast else f"transformers {type(self.model).__name__}",
+                 " with C elementwise kernels" if self.fast and kernels else "",
+                 "C kernel over the paged cache" if self.decode_kernel else "SDPA over gathered blocks")
         # One extra block at the end is scratch space for padding rows; it is never handed out.
         slots = (num_blocks + 1) * block_size
         self.scratch_slot = num_blocks * block_size

@@ -6,7 +6,7 @@ keys and values into the engine's block-paged cache (slot mapping) and attends e
 own sequence's cached context:
 
 - decode rows (one new token each) by the C kernel reading the paged cache in place
-  (cpu_kernel), or else in a few batched SDPA calls, one per group of similar context length,
+  (cpu_kernels), or else in a few batched SDPA calls, one per group of similar context length,
   over contexts gathered block by block;
 - prefill chunks one sequence at a time, causal within the chunk and over the cached prefix.
 """
@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from .cpu_kernel import PagedDecodeKernel
+from .cpu_kernels import CpuKernels
 
 ATTN_IMPLEMENTATION = "appliance_paged"
 
@@ -58,7 +58,7 @@ class DecodeGroup:
 class KernelDecode:
     """All decode rows (the first `rows` packed rows), attended by the C kernel in one call."""
 
-    kernel: PagedDecodeKernel
+    kernels: CpuKernels
     block_tables: torch.Tensor  # [rows, width] int64, padded with the scratch block
     ctx_lens: torch.Tensor  # [rows] int64
 
@@ -106,7 +106,9 @@ def paged_attention(
     k_buf, v_buf = meta.gather_buffers
     if meta.kernel_decode is not None:
         dec = meta.kernel_decode
-        dec.kernel(q[: dec.rows], k_cache, v_cache, dec.block_tables, dec.ctx_lens, meta.block_size, scaling, out[: dec.rows])
+        scale = scaling if scaling is not None else head_dim**-0.5  # SDPA's default
+        dec.kernels.paged_decode(q[: dec.rows], k_cache, v_cache, dec.block_tables, dec.ctx_lens, meta.block_size,
+                                 scale, out[: dec.rows])
     for group in meta.decode_groups:
         # The query heads that share a KV head become extra "query rows": no KV repeat needed.
         n = group.context.rows

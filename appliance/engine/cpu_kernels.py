@@ -1,0 +1,147 @@
+"""The engine's C kernels for the CPU (csrc/cpu_kernels.c): built with the system C compiler at
+first use, cached per source, flags and CPU, loaded with ctypes.
+
+- `paged_decode` reads each decode row's keys and values block by block straight from the paged
+  cache, where the SDPA path first copies them into a dense tensor (moving every cached byte
+  twice more).
+- `rms_norm`, `rotary_`, `silu_mul` do the llama layer's elementwise work in one pass each,
+  where torch runs five to eight kernels.
+
+Optional: without a compiler, or if the build fails, `load()` returns None and the engine keeps
+its torch paths (same results up to float rounding; both are tested).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from ..model_loader import cache_root
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
+FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
+_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+_SIGNATURES = {
+    "paged_decode": [_P, _I, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I, _F, _P],
+    "rms_norm": [_P, _P, _F, _I, _I, _P],
+    "rotary": [_P, _I, _I, _I, _I, _P, _P],
+    "silu_mul": [_P, _I, _I, _P],
+}
+_state: dict[str, CpuKernels | None] = {}
+
+
+class CpuKernels:
+    """Typed entry points into the built library (float32 and bfloat16 CPU tensors)."""
+
+    def __init__(self, lib: ctypes.CDLL):
+        self.max_group = lib.paged_decode_max_group()
+        self.max_dim = lib.paged_decode_max_dim()
+        self._fns: dict[tuple[str, torch.dtype], ctypes._CFuncPtr] = {}
+        for name, argtypes in _SIGNATURES.items():
+            for dtype, suffix in _SUFFIX.items():
+                fn = getattr(lib, f"{name}_{suffix}")
+                fn.argtypes, fn.restype = argtypes, None
+                self._fns[name, dtype] = fn
+
+    @staticmethod
+    def supports(dtype: torch.dtype, device: torch.device) -> bool:
+        return device.type == "cpu" and dtype in _SUFFIX
+
+    def supports_attention(self, dtype: torch.dtype, device: torch.device, num_heads: int, kv_heads: int,
+                           head_dim: int) -> bool:
+        return (self.supports(dtype, device) and num_heads % kv_heads == 0
+                and num_heads // kv_heads <= self.max_group and head_dim <= self.max_dim)
+
+    def paged_decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                     ctx_lens: torch.Tensor, block_size: int, scale: float, out: torch.Tensor) -> None:
+        """out[i] = softmax(q[i] . K_i^T * scale) V_i, K_i/V_i read through row i's block table.
+
+        q [rows, H, D] (any row/head strides, D contiguous), out [rows, H, D], caches [KVH, slots, D],
+        block_tables [rows, width] and ctx_lens [rows] int64."""
+        rows, num_heads, head_dim = q.shape
+        kv_heads, slots, _ = k_cache.shape
+        assert q.stride(2) == 1 and all(t.is_contiguous() for t in (k_cache, v_cache, block_tables, ctx_lens, out))
+        assert block_tables.dtype == ctx_lens.dtype == torch.int64 and out.dtype == q.dtype == k_cache.dtype
+        self._fns["paged_decode", q.dtype](
+            q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+            block_tables.shape[1], ctx_lens.data_ptr(), rows, num_heads, kv_heads, head_dim, block_size, slots,
+            scale, out.data_ptr())
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """transformers' LlamaRMSNorm of each row of x [rows, dim]."""
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        self._fns["rms_norm", x.dtype](x.data_ptr(), weight.data_ptr(), eps, x.shape[0], x.shape[1], out.data_ptr())
+        return out
+
+    def rotary_(self, x: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """Rotate, in place, the first `heads` heads of each row of x [rows, >= heads * head_dim]
+        (rows may be strided) by cos/sin [rows, head_dim] (contiguous)."""
+        assert x.stride(1) == 1 and cos.is_contiguous() and sin.is_contiguous()
+        self._fns["rotary", x.dtype](x.data_ptr(), x.shape[0], x.stride(0), heads, head_dim, cos.data_ptr(), sin.data_ptr())
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up for gate_up [rows, 2 * inter] (gate first, as the fused projection makes it)."""
+        assert gate_up.is_contiguous()
+        rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+        out = gate_up.new_empty(rows, inter)
+        self._fns["silu_mul", gate_up.dtype](gate_up.data_ptr(), rows, inter, out.data_ptr())
+        return out
+
+
+def _cpu_signature() -> str:
+    """-march=native binds the build to this CPU: key the cache on its feature flags."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return os.uname().machine
+
+
+def _build(compiler: str) -> Path:
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, version, _cpu_signature()]).encode()).hexdigest()[:16]
+    target = cache_root() / "kernels" / f"cpu_kernels-{key}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+        os.close(fd)
+        try:
+            subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True, check=True)
+            os.replace(tmp, target)  # atomic: concurrent builders never load a half-written file
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        log.info("built the CPU kernels: %s", target)
+    return target
+
+
+def load() -> CpuKernels | None:
+    """The kernels, built on the first call (about a second); None where they cannot be built or loaded."""
+    if "kernels" in _state:
+        return _state["kernels"]
+    kernels = None
+    compiler = shutil.which(os.environ.get("CC", "gcc")) or shutil.which("cc")
+    if compiler is None:
+        log.info("no C compiler found: the engine uses its torch paths on the CPU")
+    else:
+        try:
+            kernels = CpuKernels(ctypes.CDLL(str(_build(compiler))))
+        except (OSError, subprocess.CalledProcessError, AttributeError) as exc:
+            detail = getattr(exc, "stderr", "") or exc
+            log.warning("could not build the CPU kernels (%s): the engine uses its torch paths", detail)
+    _state["kernels"] = kernels
+    return kernels

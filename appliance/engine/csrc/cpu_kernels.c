@@ -1,0 +1,167 @@
+/* CPU kernels for the engine's hot path, built at first use by appliance/engine/cpu_kernels.py.
+ *
+ * - paged_decode_*: one query token per row against that row's cached context, read block by
+ *   block straight from the paged KV cache (no gathered copy), online softmax, OpenMP over
+ *   (row, KV head); the query heads that share a KV head are served by one pass over it.
+ * - rms_norm_*, rotary_*, silu_mul_*: the llama layer's elementwise work, one pass each where
+ *   torch needs five to eight kernels (and as many passes over memory).
+ *
+ * Every function exists for float32 and bfloat16 tensors; arithmetic is float32 throughout.
+ * Layouts: q [rows, heads, dim] with the given row and head strides (dim contiguous); out
+ * [rows, heads, dim] contiguous; caches [kv_heads, slots, dim] with slot = block * block_size +
+ * offset; block_tables [rows, table_width] and ctx_lens [rows] int64. */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define CHUNK 32 /* tokens scored per online-softmax step */
+#define MAX_GROUP 16
+#define MAX_DIM 256
+#define PAR_ROWS 8 /* fewer rows than this: one thread (the fork costs more than the work) */
+
+typedef uint16_t bf16_t;
+
+static inline float bf16_to_f32(bf16_t x) {
+    uint32_t bits = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline bf16_t f32_to_bf16(float f) { /* round to nearest even, as torch does */
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (bf16_t)((bits >> 16) | 0x40u); /* NaN */
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (bf16_t)(bits >> 16);
+}
+
+#define F32_LOAD(x) (x)
+#define F32_STORE(x) (x)
+/* A float32 value rounded as a tensor of the type would hold it. */
+#define F32_ROUND(x) (x)
+#define BF16_ROUND(x) bf16_to_f32(f32_to_bf16(x))
+
+#define DEFINE_PAGED_DECODE(NAME, T, LOAD, STORE)                                                    \
+    void NAME(const T *q, int64_t q_row_stride, int64_t q_head_stride, const T *k_cache,             \
+              const T *v_cache, const int64_t *block_tables, int64_t table_width,                   \
+              const int64_t *ctx_lens, int64_t rows, int64_t num_heads, int64_t kv_heads,            \
+              int64_t head_dim, int64_t block_size, int64_t num_slots, float scale, T *out) {        \
+        const int64_t group = num_heads / kv_heads, D = head_dim;                                    \
+        _Pragma("omp parallel for schedule(dynamic, 1)")                                             \
+        for (int64_t item = 0; item < rows * kv_heads; item++) {                                     \
+            const int64_t i = item / kv_heads, h = item % kv_heads, ctx = ctx_lens[i];               \
+            const int64_t *table = block_tables + i * table_width;                                   \
+            const T *kh = k_cache + h * num_slots * D, *vh = v_cache + h * num_slots * D;            \
+            float qf[MAX_GROUP][MAX_DIM], acc[MAX_GROUP][MAX_DIM], s[MAX_GROUP][CHUNK];              \
+            float m[MAX_GROUP], l[MAX_GROUP];                                                        \
+            for (int64_t g = 0; g < group; g++) {                                                    \
+                const T *qg = q + i * q_row_stride + (h * group + g) * q_head_stride;                \
+                for (int64_t d = 0; d < D; d++) { qf[g][d] = LOAD(qg[d]) * scale; acc[g][d] = 0.f; } \
+                m[g] = -3.0e38f; /* finite: -ffast-math assumes no infinities */                     \
+                l[g] = 0.f;                                                                          \
+            }                                                                                        \
+            for (int64_t t0 = 0; t0 < ctx; t0 += CHUNK) {                                            \
+                const int64_t n = ctx - t0 < CHUNK ? ctx - t0 : CHUNK;                               \
+                for (int64_t t = 0; t < n; t++) {                                                    \
+                    const int64_t pos = t0 + t;                                                      \
+                    const T *kt = kh + (table[pos / block_size] * block_size + pos % block_size) * D; \
+                    for (int64_t g = 0; g < group; g++) {                                            \
+                        float dot = 0.f;                                                             \
+                        _Pragma("omp simd reduction(+ : dot)")                                       \
+                        for (int64_t d = 0; d < D; d++) dot += qf[g][d] * LOAD(kt[d]);               \
+                        s[g][t] = dot;                                                               \
+                    }                                                                                \
+                }                                                                                    \
+                for (int64_t g = 0; g < group; g++) {                                                \
+                    float top = m[g], sum = 0.f;                                                     \
+                    for (int64_t t = 0; t < n; t++) top = s[g][t] > top ? s[g][t] : top;            \
+                    const float rescale = expf(m[g] - top);                                          \
+                    for (int64_t t = 0; t < n; t++) { s[g][t] = expf(s[g][t] - top); sum += s[g][t]; } \
+                    l[g] = l[g] * rescale + sum;                                                     \
+                    m[g] = top;                                                                      \
+                    if (rescale != 1.f)                                                              \
+                        for (int64_t d = 0; d < D; d++) acc[g][d] *= rescale;                        \
+                }                                                                                    \
+                for (int64_t t = 0; t < n; t++) {                                                    \
+                    const int64_t pos = t0 + t;                                                      \
+                    const T *vt = vh + (table[pos / block_size] * block_size + pos % block_size) * D; \
+                    for (int64_t g = 0; g < group; g++) {                                            \
+                        const float p = s[g][t];                                                     \
+                        _Pragma("omp simd")                                                          \
+                        for (int64_t d = 0; d < D; d++) acc[g][d] += p * LOAD(vt[d]);                \
+                    }                                                                                \
+                }                                                                                    \
+            }                                                                                        \
+            for (int64_t g = 0; g < group; g++) {                                                    \
+                T *og = out + (i * num_heads + h * group + g) * D;                                   \
+                const float inv = 1.f / l[g];                                                        \
+                for (int64_t d = 0; d < D; d++) og[d] = STORE(acc[g][d] * inv);                      \
+            }                                                                                        \
+        }                                                                                            \
+    }
+
+/* out = weight * round(x * rsqrt(mean(x^2) + eps)): transformers' LlamaRMSNorm, op for op. */
+#define DEFINE_RMS_NORM(NAME, T, LOAD, STORE, ROUND)                                                 \
+    void NAME(const T *x, const T *weight, float eps, int64_t rows, int64_t dim, T *out) {           \
+        _Pragma("omp parallel for if (rows >= PAR_ROWS)")                                            \
+        for (int64_t r = 0; r < rows; r++) {                                                         \
+            const T *xr = x + r * dim;                                                               \
+            T *o = out + r * dim;                                                                    \
+            float ss = 0.f;                                                                          \
+            _Pragma("omp simd reduction(+ : ss)")                                                    \
+            for (int64_t d = 0; d < dim; d++) ss += LOAD(xr[d]) * LOAD(xr[d]);                       \
+            const float inv = 1.f / sqrtf(ss / (float)dim + eps);                                    \
+            _Pragma("omp simd")                                                                      \
+            for (int64_t d = 0; d < dim; d++) o[d] = STORE(LOAD(weight[d]) * ROUND(LOAD(xr[d]) * inv)); \
+        }                                                                                            \
+    }
+
+/* In place on the first `heads` heads of every row: x * cos + rotate_half(x) * sin, with
+ * rotate_half(x) = cat(-x[half:], x[:half]) and cos/sin [rows, dim] (each half repeated). */
+#define DEFINE_ROTARY(NAME, T, LOAD, STORE)                                                          \
+    void NAME(T *x, int64_t rows, int64_t row_stride, int64_t heads, int64_t dim, const T *cos,     \
+              const T *sin) {                                                                        \
+        const int64_t half = dim / 2;                                                                \
+        _Pragma("omp parallel for if (rows >= PAR_ROWS)")                                            \
+        for (int64_t r = 0; r < rows; r++) {                                                         \
+            const T *c = cos + r * dim, *s = sin + r * dim;                                          \
+            for (int64_t h = 0; h < heads; h++) {                                                    \
+                T *v = x + r * row_stride + h * dim;                                                 \
+                _Pragma("omp simd")                                                                  \
+                for (int64_t d = 0; d < half; d++) {                                                 \
+                    const float a = LOAD(v[d]), b = LOAD(v[d + half]);                               \
+                    v[d] = STORE(a * LOAD(c[d]) - b * LOAD(s[d]));                                   \
+                    v[d + half] = STORE(b * LOAD(c[d + half]) + a * LOAD(s[d + half]));              \
+                }                                                                                    \
+            }                                                                                        \
+        }                                                                                            \
+    }
+
+/* out [rows, inter] = silu(gate_up[:, :inter]) * gate_up[:, inter:]. */
+#define DEFINE_SILU_MUL(NAME, T, LOAD, STORE, ROUND)                                                 \
+    void NAME(const T *gate_up, int64_t rows, int64_t inter, T *out) {                               \
+        _Pragma("omp parallel for if (rows >= PAR_ROWS)")                                            \
+        for (int64_t r = 0; r < rows; r++) {                                                         \
+            const T *g = gate_up + r * 2 * inter, *u = g + inter;                                    \
+            T *o = out + r * inter;                                                                  \
+            _Pragma("omp simd")                                                                      \
+            for (int64_t d = 0; d < inter; d++) {                                                    \
+                const float x = LOAD(g[d]);                                                          \
+                o[d] = STORE(ROUND(x / (1.f + expf(-x))) * LOAD(u[d]));                              \
+            }                                                                                        \
+        }                                                                                            \
+    }
+
+DEFINE_PAGED_DECODE(paged_decode_f32, float, F32_LOAD, F32_STORE)
+DEFINE_PAGED_DECODE(paged_decode_bf16, bf16_t, bf16_to_f32, f32_to_bf16)
+DEFINE_RMS_NORM(rms_norm_f32, float, F32_LOAD, F32_STORE, F32_ROUND)
+DEFINE_RMS_NORM(rms_norm_bf16, bf16_t, bf16_to_f32, f32_to_bf16, BF16_ROUND)
+DEFINE_ROTARY(rotary_f32, float, F32_LOAD, F32_STORE)
+DEFINE_ROTARY(rotary_bf16, bf16_t, bf16_to_f32, f32_to_bf16)
+DEFINE_SILU_MUL(silu_mul_f32, float, F32_LOAD, F32_STORE, F32_ROUND)
+DEFINE_SILU_MUL(silu_mul_bf16, bf16_t, bf16_to_f32, f32_to_bf16, BF16_ROUND)
+
+/* Limits the Python side checks before choosing paged_decode. */
+int64_t paged_decode_max_group(void) { return MAX_GROUP; }
+int64_t paged_decode_max_dim(void) { return MAX_DIM; }

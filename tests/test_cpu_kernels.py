@@ -1,0 +1,108 @@
+"""The C kernels against torch: paged decode attention vs dense SDPA, elementwise ops vs the
+lean forward's (transformers') torch ops, in float32 and bfloat16."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from appliance.engine import cpu_kernels, fast_llama
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    built = cpu_kernels.load()
+    assert built is not None, "the kernels must build wherever the tests run (gcc is installed there)"
+    return built
+
+
+def _case(dtype, heads: int, kv_heads: int, head_dim: int, block_size: int, ctx_lens: list[int], seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = sum(-(-n // block_size) for n in ctx_lens) + 3
+    k_cache = torch.randn(kv_heads, num_blocks * block_size, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(kv_heads, num_blocks * block_size, head_dim, generator=gen).to(dtype)
+    q = torch.randn(len(ctx_lens), heads, head_dim, generator=gen).to(dtype)
+    free = list(range(num_blocks))
+    random.Random(seed).shuffle(free)  # scattered blocks, as after many allocations and frees
+    tables = []
+    for n in ctx_lens:
+        tables.append([free.pop() for _ in range(-(-n // block_size))])
+    width = max(len(t) for t in tables)
+    block_tables = torch.tensor([t + [t[0]] * (width - len(t)) for t in tables], dtype=torch.long)
+    return q, k_cache, v_cache, tables, block_tables
+
+
+def _reference(q, k_cache, v_cache, tables, ctx_lens, block_size, scale):
+    rows = []
+    for i, (table, n) in enumerate(zip(tables, ctx_lens)):
+        slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(n)])
+        k, v = k_cache[:, slots].float(), v_cache[:, slots].float()  # [KVH, n, D]
+        o = F.scaled_dot_product_attention(q[i].float()[None, :, None], k[None], v[None], scale=scale, enable_gqa=True)
+        rows.append(o[0, :, 0])
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize(
+    "dtype,heads,kv_heads,head_dim,block_size,ctx_lens",
+    [
+        (torch.float32, 9, 3, 64, 16, [1, 15, 16, 17, 33, 100, 257]),  # the default model's shape
+        (torch.float32, 4, 4, 32, 4, [3, 64, 65]),  # no grouping, small blocks
+        (torch.float32, 8, 1, 80, 5, [7, 31, 32, 96]),  # one KV head for all, odd block size and dim
+        (torch.bfloat16, 9, 3, 64, 16, [2, 40, 300]),
+    ],
+)
+def test_kernel_matches_dense_attention(kernel, dtype, heads, kv_heads, head_dim, block_size, ctx_lens):
+    q, k_cache, v_cache, tables, block_tables = _case(dtype, heads, kv_heads, head_dim, block_size, ctx_lens)
+    assert kernel.supports_attention(dtype, torch.device("cpu"), heads, kv_heads, head_dim)
+    scale = head_dim**-0.5
+    out = torch.empty_like(q)
+    kernel.paged_decode(q, k_cache, v_cache, block_tables, torch.tensor(ctx_lens), block_size, scale, out)
+    expected = _reference(q, k_cache, v_cache, tables, ctx_lens, block_size, scale)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
+
+
+def test_paged_decode_reads_strided_queries(kernel):
+    # q as the lean forward hands it over: a view into the fused qkv projection's output
+    q, k_cache, v_cache, tables, block_tables = _case(torch.float32, 9, 3, 64, 16, [5, 70])
+    fused = torch.cat([q.reshape(2, -1), torch.randn(2, 384)], dim=1)
+    view = fused[:, : 9 * 64].view(2, 9, 64)
+    out = torch.empty_like(q)
+    kernel.paged_decode(view, k_cache, v_cache, block_tables, torch.tensor([5, 70]), 16, 0.125, out)
+    torch.testing.assert_close(out, _reference(q, k_cache, v_cache, tables, [5, 70], 16, 0.125), atol=1e-5, rtol=1e-5)
+
+
+def test_kernel_declines_what_it_cannot_run(kernel):
+    cpu = torch.device("cpu")
+    assert not kernel.supports_attention(torch.float16, cpu, 9, 3, 64)
+    assert not kernel.supports_attention(torch.float32, cpu, 9, 3, kernel.max_dim + 1)
+    assert not kernel.supports_attention(torch.float32, cpu, 10, 3, 64)  # heads not a multiple of KV heads
+    assert not kernel.supports_attention(torch.float32, torch.device("meta"), 9, 3, 64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 40])  # below and above the kernels' threading threshold
+def test_elementwise_kernels_match_torch(kernel, dtype, rows):
+    gen = torch.Generator().manual_seed(rows)
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    x = (torch.randn(rows, 576, generator=gen) * 3).to(dtype)
+    weight = torch.rand(576, generator=gen).to(dtype)
+    torch.testing.assert_close(kernel.rms_norm(x, weight, 1e-5), fast_llama._rms_norm(x, weight, 1e-5), **tol)
+
+    gate_up = torch.randn(rows, 2 * 96, generator=gen).to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(kernel.silu_mul(gate_up), torch.nn.functional.silu(gate) * up, **tol)
+
+    heads, kv_heads, dim = 9, 3, 64
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim, generator=gen).to(dtype)
+    angles = torch.rand(rows, dim // 2, generator=gen) * 6
+    cos, sin = torch.cat([angles.cos()] * 2, -1).to(dtype), torch.cat([angles.sin()] * 2, -1).to(dtype)
+    expected = qkv.clone()
+    rotated = heads + kv_heads  # q's and k's heads; v's stay as they are
+    expected[:, : rotated * dim] = fast_llama._rotate(
+        qkv[:, : rotated * dim].view(rows, rotated, dim), cos.unsqueeze(1), sin.unsqueeze(1)).reshape(rows, -1)
+    kernel.rotary_(qkv, rotated, dim, cos, sin)
+    torch.testing.assert_close(qkv, expected, **tol)
