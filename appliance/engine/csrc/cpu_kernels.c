@@ -42,62 +42,79 @@ static inline bf16_t f32_to_bf16(float f) { /* round to nearest even, as torch d
 #define F32_ROUND(x) (x)
 #define BF16_ROUND(x) bf16_to_f32(f32_to_bf16(x))
 
+/* One (row, KV head) pair per call of the item function, inlined into a copy per common head
+ * size (the switch runs inside the OpenMP loop so that each copy sees D as a constant). */
 #define DEFINE_PAGED_DECODE(NAME, T, LOAD, STORE)                                                    \
+    static inline __attribute__((always_inline)) void NAME##_item(                                   \
+        const T *q, int64_t q_row_stride, int64_t q_head_stride, const T *k_cache, const T *v_cache, \
+        const int64_t *block_tables, int64_t table_width, const int64_t *ctx_lens,                   \
+        int64_t num_heads, int64_t kv_heads, const int64_t D, int64_t block_size, int64_t num_slots, \
+        float scale, T *out, int64_t item) {                                                         \
+        const int64_t group = num_heads / kv_heads;                                                  \
+        const int64_t i = item / kv_heads, h = item % kv_heads, ctx = ctx_lens[i];                   \
+        const int64_t *table = block_tables + i * table_width;                                       \
+        const T *kh = k_cache + h * num_slots * D, *vh = v_cache + h * num_slots * D;                \
+        float qf[MAX_GROUP][MAX_DIM], acc[MAX_GROUP][MAX_DIM], s[MAX_GROUP][CHUNK];                  \
+        float m[MAX_GROUP], l[MAX_GROUP];                                                            \
+        for (int64_t g = 0; g < group; g++) {                                                        \
+            const T *qg = q + i * q_row_stride + (h * group + g) * q_head_stride;                    \
+            for (int64_t d = 0; d < D; d++) { qf[g][d] = LOAD(qg[d]) * scale; acc[g][d] = 0.f; }     \
+            m[g] = -3.0e38f; /* finite: -ffast-math assumes no infinities */                         \
+            l[g] = 0.f;                                                                              \
+        }                                                                                            \
+        for (int64_t t0 = 0; t0 < ctx; t0 += CHUNK) {                                                \
+            const int64_t n = ctx - t0 < CHUNK ? ctx - t0 : CHUNK;                                   \
+            for (int64_t t = 0; t < n; t++) {                                                        \
+                const int64_t pos = t0 + t;                                                          \
+                const T *kt = kh + (table[pos / block_size] * block_size + pos % block_size) * D;     \
+                for (int64_t g = 0; g < group; g++) {                                                \
+                    float dot = 0.f;                                                                 \
+                    _Pragma("omp simd reduction(+ : dot)")                                           \
+                    for (int64_t d = 0; d < D; d++) dot += qf[g][d] * LOAD(kt[d]);                   \
+                    s[g][t] = dot;                                                                   \
+                }                                                                                    \
+            }                                                                                        \
+            for (int64_t g = 0; g < group; g++) {                                                    \
+                float top = m[g], sum = 0.f;                                                         \
+                for (int64_t t = 0; t < n; t++) top = s[g][t] > top ? s[g][t] : top;                \
+                const float rescale = expf(m[g] - top);                                              \
+                for (int64_t t = 0; t < n; t++) { s[g][t] = expf(s[g][t] - top); sum += s[g][t]; }   \
+                l[g] = l[g] * rescale + sum;                                                         \
+                m[g] = top;                                                                          \
+                if (rescale != 1.f)                                                                  \
+                    for (int64_t d = 0; d < D; d++) acc[g][d] *= rescale;                            \
+            }                                                                                        \
+            for (int64_t t = 0; t < n; t++) {                                                        \
+                const int64_t pos = t0 + t;                                                          \
+                const T *vt = vh + (table[pos / block_size] * block_size + pos % block_size) * D;     \
+                for (int64_t g = 0; g < group; g++) {                                                \
+                    const float p = s[g][t];                                                         \
+                    _Pragma("omp simd")                                                              \
+                    for (int64_t d = 0; d < D; d++) acc[g][d] += p * LOAD(vt[d]);                    \
+                }                                                                                    \
+            }                                                                                        \
+        }                                                                                            \
+        for (int64_t g = 0; g < group; g++) {                                                        \
+            T *og = out + (i * num_heads + h * group + g) * D;                                       \
+            const float inv = 1.f / l[g];                                                            \
+            for (int64_t d = 0; d < D; d++) og[d] = STORE(acc[g][d] * inv);                          \
+        }                                                                                            \
+    }                                                                                                \
     void NAME(const T *q, int64_t q_row_stride, int64_t q_head_stride, const T *k_cache,             \
               const T *v_cache, const int64_t *block_tables, int64_t table_width,                   \
               const int64_t *ctx_lens, int64_t rows, int64_t num_heads, int64_t kv_heads,            \
               int64_t head_dim, int64_t block_size, int64_t num_slots, float scale, T *out) {        \
-        const int64_t group = num_heads / kv_heads, D = head_dim;                                    \
         _Pragma("omp parallel for schedule(dynamic, 1)")                                             \
         for (int64_t item = 0; item < rows * kv_heads; item++) {                                     \
-            const int64_t i = item / kv_heads, h = item % kv_heads, ctx = ctx_lens[i];               \
-            const int64_t *table = block_tables + i * table_width;                                   \
-            const T *kh = k_cache + h * num_slots * D, *vh = v_cache + h * num_slots * D;            \
-            float qf[MAX_GROUP][MAX_DIM], acc[MAX_GROUP][MAX_DIM], s[MAX_GROUP][CHUNK];              \
-            float m[MAX_GROUP], l[MAX_GROUP];                                                        \
-            for (int64_t g = 0; g < group; g++) {                                                    \
-                const T *qg = q + i * q_row_stride + (h * group + g) * q_head_stride;                \
-                for (int64_t d = 0; d < D; d++) { qf[g][d] = LOAD(qg[d]) * scale; acc[g][d] = 0.f; } \
-                m[g] = -3.0e38f; /* finite: -ffast-math assumes no infinities */                     \
-                l[g] = 0.f;                                                                          \
-            }                                                                                        \
-            for (int64_t t0 = 0; t0 < ctx; t0 += CHUNK) {                                            \
-                const int64_t n = ctx - t0 < CHUNK ? ctx - t0 : CHUNK;                               \
-                for (int64_t t = 0; t < n; t++) {                                                    \
-                    const int64_t pos = t0 + t;                                                      \
-                    const T *kt = kh + (table[pos / block_size] * block_size + pos % block_size) * D; \
-                    for (int64_t g = 0; g < group; g++) {                                            \
-                        float dot = 0.f;                                                             \
-                        _Pragma("omp simd reduction(+ : dot)")                                       \
-                        for (int64_t d = 0; d < D; d++) dot += qf[g][d] * LOAD(kt[d]);               \
-                        s[g][t] = dot;                                                               \
-                    }                                                                                \
-                }                                                                                    \
-                for (int64_t g = 0; g < group; g++) {                                                \
-                    float top = m[g], sum = 0.f;                                                     \
-                    for (int64_t t = 0; t < n; t++) top = s[g][t] > top ? s[g][t] : top;            \
-                    const float rescale = expf(m[g] - top);                                          \
-                    for (int64_t t = 0; t < n; t++) { s[g][t] = expf(s[g][t] - top); sum += s[g][t]; } \
-                    l[g] = l[g] * rescale + sum;                                                     \
-                    m[g] = top;                                                                      \
-                    if (rescale != 1.f)                                                              \
-                        for (int64_t d = 0; d < D; d++) acc[g][d] *= rescale;                        \
-                }                                                                                    \
-                for (int64_t t = 0; t < n; t++) {                                                    \
-                    const int64_t pos = t0 + t;                                                      \
-                    const T *vt = vh + (table[pos / block_size] * block_size + pos % block_size) * D; \
-                    for (int64_t g = 0; g < group; g++) {                                            \
-                        const float p = s[g][t];                                                     \
-                        _Pragma("omp simd")                                                          \
-                        for (int64_t d = 0; d < D; d++) acc[g][d] += p * LOAD(vt[d]);                \
-                    }                                                                                \
-                }                                                                                    \
-            }                                                                                        \
-            for (int64_t g = 0; g < group; g++) {                                                    \
-                T *og = out + (i * num_heads + h * group + g) * D;                                   \
-                const float inv = 1.f / l[g];                                                        \
-                for (int64_t d = 0; d < D; d++) og[d] = STORE(acc[g][d] * inv);                      \
-            }                                                                                        \
+            if (head_dim == 64) /* a copy with D constant: accumulators in registers, loops unrolled */ \
+                NAME##_item(q, q_row_stride, q_head_stride, k_cache, v_cache, block_tables, table_width, \
+                            ctx_lens, num_heads, kv_heads, 64, block_size, num_slots, scale, out, item); \
+            else if (head_dim == 128)                                                                \
+                NAME##_item(q, q_row_stride, q_head_stride, k_cache, v_cache, block_tables, table_width, \
+                            ctx_lens, num_heads, kv_heads, 128, block_size, num_slots, scale, out, item); \
+            else                                                                                     \
+                NAME##_item(q, q_row_stride, q_head_stride, k_cache, v_cache, block_tables, table_width, \
+                            ctx_lens, num_heads, kv_heads, head_dim, block_size, num_slots, scale, out, item); \
         }                                                                                            \
     }
 
