@@ -24,6 +24,9 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-long-partial-prefills", type=int, default=None)
     parser.add_argument("--scheduling-policy", default=None, choices=["continuous", "static"])
     parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--cpu-kernels", action=argparse.BooleanOptionalAction, default=None,
+                        help="C kernels on the CPU (decode attention over the paged cache, the layers' elementwise "
+                             "ops), built with gcc at first start; --no-cpu-kernels runs torch alone")
     parser.add_argument("--config", default=None, help="TOML file (e.g. configs/cpu.toml); flags override it")
 
 

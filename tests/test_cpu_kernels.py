@@ -107,3 +107,12 @@ def test_elementwise_kernels_match_torch(kernel, dtype, rows):
         qkv[:, : rotated * dim].view(rows, rotated, dim), cos.unsqueeze(1), sin.unsqueeze(1)).reshape(rows, -1)
     kernel.rotary_(qkv, rotated, dim, cos, sin)
     torch.testing.assert_close(qkv, expected, **tol)
+
+
+def test_cli_flag_and_config_reach_the_engine_config():
+    from appliance.cli import build_parser
+    from appliance.settings import engine_config_from_args
+
+    parser = build_parser()
+    assert engine_config_from_args(parser.parse_args(["generate", "hi"])).cpu_kernels is True  # configs/default.toml
+    assert engine_config_from_args(parser.parse_args(["generate", "--no-cpu-kernels", "hi"])).cpu_kernels is False
