@@ -33,10 +33,10 @@ FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
-    "paged_decode": [_P, _I, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I, _F, _P],
-    "rms_norm": [_P, _P, _F, _I, _I, _P],
-    "rotary": [_P, _I, _I, _I, _I, _P, _P],
-    "silu_mul": [_P, _I, _I, _P],
+    "paged_decode": [_P, _I, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I, _F, _P, _I],
+    "rms_norm": [_P, _P, _F, _I, _I, _P, _I],
+    "rotary": [_P, _I, _I, _I, _I, _P, _P, _I],
+    "silu_mul": [_P, _I, _I, _P, _I],
 }
 _state: dict[str, CpuKernels | None] = {}
 
@@ -76,27 +76,30 @@ class CpuKernels:
         self._fns["paged_decode", q.dtype](
             q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
             block_tables.shape[1], ctx_lens.data_ptr(), rows, num_heads, kv_heads, head_dim, block_size, slots,
-            scale, out.data_ptr())
+            scale, out.data_ptr(), torch.get_num_threads())
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """transformers' LlamaRMSNorm of each row of x [rows, dim]."""
         x = x.contiguous()
         out = torch.empty_like(x)
-        self._fns["rms_norm", x.dtype](x.data_ptr(), weight.data_ptr(), eps, x.shape[0], x.shape[1], out.data_ptr())
+        self._fns["rms_norm", x.dtype](x.data_ptr(), weight.data_ptr(), eps, x.shape[0], x.shape[1], out.data_ptr(),
+                                       torch.get_num_threads())
         return out
 
     def rotary_(self, x: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
         """Rotate, in place, the first `heads` heads of each row of x [rows, >= heads * head_dim]
         (rows may be strided) by cos/sin [rows, head_dim] (contiguous)."""
         assert x.stride(1) == 1 and cos.is_contiguous() and sin.is_contiguous()
-        self._fns["rotary", x.dtype](x.data_ptr(), x.shape[0], x.stride(0), heads, head_dim, cos.data_ptr(), sin.data_ptr())
+        self._fns["rotary", x.dtype](x.data_ptr(), x.shape[0], x.stride(0), heads, head_dim, cos.data_ptr(), sin.data_ptr(),
+                                     torch.get_num_threads())
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up for gate_up [rows, 2 * inter] (gate first, as the fused projection makes it)."""
         assert gate_up.is_contiguous()
         rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
         out = gate_up.new_empty(rows, inter)
-        self._fns["silu_mul", gate_up.dtype](gate_up.data_ptr(), rows, inter, out.data_ptr())
+        self._fns["silu_mul", gate_up.dtype](gate_up.data_ptr(), rows, inter, out.data_ptr(),
+                                             torch.get_num_threads())
         return out
 
 

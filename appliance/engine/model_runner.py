@@ -97,8 +97,9 @@ class ModelRunner:
         keep_rows: list[int] = []
         sample_indices: list[int] = []
 
-        # Decode rows, longest context first (see _decode_groups): context = every computed token
-        # plus the new one.
+        # Decode rows, longest context first (groups of similar length follow from it; the kernel's
+        # dynamic OpenMP schedule starts the longest first): context = every computed token plus
+        # the new one.
         decodes.sort(key=lambda item: -item.seq.num_computed_tokens)
         ctx_lens: list[int] = []
         for item in decodes:

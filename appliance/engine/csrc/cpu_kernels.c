@@ -6,7 +6,9 @@
  * - rms_norm_*, rotary_*, silu_mul_*: the llama layer's elementwise work, one pass each where
  *   torch needs five to eight kernels (and as many passes over memory).
  *
- * Every function exists for float32 and bfloat16 tensors; arithmetic is float32 throughout.
+ * Every function exists for float32 and bfloat16 tensors; arithmetic is float32 throughout. The
+ * last argument is the thread count (torch's, which the caller passes: OpenMP's own default is
+ * per calling thread and would ignore torch.set_num_threads in the engine's thread).
  * Layouts: q [rows, heads, dim] with the given row and head strides (dim contiguous); out
  * [rows, heads, dim] contiguous; caches [kv_heads, slots, dim] with slot = block * block_size +
  * offset; block_tables [rows, table_width] and ctx_lens [rows] int64. */
@@ -103,8 +105,9 @@ static inline bf16_t f32_to_bf16(float f) { /* round to nearest even, as torch d
     void NAME(const T *q, int64_t q_row_stride, int64_t q_head_stride, const T *k_cache,             \
               const T *v_cache, const int64_t *block_tables, int64_t table_width,                   \
               const int64_t *ctx_lens, int64_t rows, int64_t num_heads, int64_t kv_heads,            \
-              int64_t head_dim, int64_t block_size, int64_t num_slots, float scale, T *out) {        \
-        _Pragma("omp parallel for schedule(dynamic, 1)")                                             \
+              int64_t head_dim, int64_t block_size, int64_t num_slots, float scale, T *out,          \
+              int64_t threads) {                                                                     \
+        _Pragma("omp parallel for schedule(dynamic, 1) num_threads(threads)")                         \
         for (int64_t item = 0; item < rows * kv_heads; item++) {                                     \
             if (head_dim == 64) /* a copy with D constant: accumulators in registers, loops unrolled */ \
                 NAME##_item(q, q_row_stride, q_head_stride, k_cache, v_cache, block_tables, table_width, \
@@ -120,8 +123,9 @@ static inline bf16_t f32_to_bf16(float f) { /* round to nearest even, as torch d
 
 /* out = weight * round(x * rsqrt(mean(x^2) + eps)): transformers' LlamaRMSNorm, op for op. */
 #define DEFINE_RMS_NORM(NAME, T, LOAD, STORE, ROUND)                                                 \
-    void NAME(const T *x, const T *weight, float eps, int64_t rows, int64_t dim, T *out) {           \
-        _Pragma("omp parallel for if (rows >= PAR_ROWS)")                                            \
+    void NAME(const T *x, const T *weight, float eps, int64_t rows, int64_t dim, T *out,             \
+              int64_t threads) {                                                                     \
+        _Pragma("omp parallel for if (rows >= PAR_ROWS) num_threads(threads)")                        \
         for (int64_t r = 0; r < rows; r++) {                                                         \
             const T *xr = x + r * dim;                                                               \
             T *o = out + r * dim;                                                                    \
@@ -138,9 +142,9 @@ static inline bf16_t f32_to_bf16(float f) { /* round to nearest even, as torch d
  * rotate_half(x) = cat(-x[half:], x[:half]) and cos/sin [rows, dim] (each half repeated). */
 #define DEFINE_ROTARY(NAME, T, LOAD, STORE)                                                          \
     void NAME(T *x, int64_t rows, int64_t row_stride, int64_t heads, int64_t dim, const T *cos,     \
-              const T *sin) {                                                                        \
+              const T *sin, int64_t threads) {                                                       \
         const int64_t half = dim / 2;                                                                \
-        _Pragma("omp parallel for if (rows >= PAR_ROWS)")                                            \
+        _Pragma("omp parallel for if (rows >= PAR_ROWS) num_threads(threads)")                        \
         for (int64_t r = 0; r < rows; r++) {                                                         \
             const T *c = cos + r * dim, *s = sin + r * dim;                                          \
             for (int64_t h = 0; h < heads; h++) {                                                    \
@@ -157,8 +161,8 @@ static inline bf16_t f32_to_bf16(float f) { /* round to nearest even, as torch d
 
 /* out [rows, inter] = silu(gate_up[:, :inter]) * gate_up[:, inter:]. */
 #define DEFINE_SILU_MUL(NAME, T, LOAD, STORE, ROUND)                                                 \
-    void NAME(const T *gate_up, int64_t rows, int64_t inter, T *out) {                               \
-        _Pragma("omp parallel for if (rows >= PAR_ROWS)")                                            \
+    void NAME(const T *gate_up, int64_t rows, int64_t inter, T *out, int64_t threads) {              \
+        _Pragma("omp parallel for if (rows >= PAR_ROWS) num_threads(threads)")                        \
         for (int64_t r = 0; r < rows; r++) {                                                         \
             const T *g = gate_up + r * 2 * inter, *u = g + inter;                                    \
             T *o = out + r * inter;                                                                  \
