@@ -19,6 +19,14 @@ def kernel():
     return built
 
 
+def test_loading_the_kernels_keeps_subnormal_floats(kernel):
+    # A library linked with -ffast-math would switch the whole process to flush-to-zero.
+    tiny = torch.tensor([1e-40], dtype=torch.float32)
+    assert (tiny * 1.0).item() > 0
+    value = 5e-324
+    assert value * 1.0 > 0
+
+
 def _case(dtype, heads: int, kv_heads: int, head_dim: int, block_size: int, ctx_lens: list[int], seed: int = 0):
     gen = torch.Generator().manual_seed(seed)
     num_blocks = sum(-(-n // block_size) for n in ctx_lens) + 3

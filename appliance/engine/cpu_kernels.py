@@ -29,7 +29,10 @@ from ..model_loader import cache_root
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
-FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
+# -ffast-math at compile time only: linked with it, gcc adds crtfastmath.o, whose constructor
+# turns on flush-to-zero for the whole process (subnormal floats silently become 0 everywhere).
+COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
+LINK_FLAGS = ["-shared", "-fopenmp"]
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
@@ -116,18 +119,16 @@ def _cpu_signature() -> str:
 
 def _build(compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, version, _cpu_signature()]).encode()).hexdigest()[:16]
+    parts = [SOURCE.read_text(), *COMPILE_FLAGS, *LINK_FLAGS, version, _cpu_signature()]
+    key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
     target = cache_root() / "kernels" / f"cpu_kernels-{key}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-        os.close(fd)
-        try:
-            subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True, check=True)
-            os.replace(tmp, target)  # atomic: concurrent builders never load a half-written file
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        with tempfile.TemporaryDirectory(dir=target.parent) as work:
+            obj, lib = Path(work) / "cpu_kernels.o", Path(work) / "cpu_kernels.so"
+            subprocess.run([compiler, *COMPILE_FLAGS, "-c", str(SOURCE), "-o", str(obj)], capture_output=True, text=True, check=True)
+            subprocess.run([compiler, *LINK_FLAGS, str(obj), "-o", str(lib), "-lm"], capture_output=True, text=True, check=True)
+            os.replace(lib, target)  # atomic: concurrent builders never load a half-written file
         log.info("built the CPU kernels: %s", target)
     return target
 
