@@ -104,8 +104,8 @@ def test_parity_with_decode_rows_in_length_groups(make_engine, reference):
     seen = []
     build = engine.runner._decode_groups
 
-    def spy(decodes, ctx_lens):
-        groups = build(decodes, ctx_lens)
+    def spy(tables, ctx_lens):
+        groups = build(tables, ctx_lens)
         seen.append(len(groups))
         return groups
 

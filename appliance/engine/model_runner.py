@@ -117,10 +117,11 @@ class ModelRunner:
         keep_rows.extend(range(len(decodes)))
         sample_indices.extend(index_of[id(item)] for item in decodes)
 
+        tables = [item.seq.block_table for item in decodes] + [[]] * sched.padding_rows  # padding: scratch only
         if self.decode_kernel is not None:
-            groups, kernel_decode = [], self._kernel_decode(decodes, ctx_lens)
+            groups, kernel_decode = [], self._kernel_decode(tables, ctx_lens)
         else:
-            groups, kernel_decode = self._decode_groups(decodes, ctx_lens), None
+            groups, kernel_decode = self._decode_groups(tables, ctx_lens), None
 
         spans: list[PrefillSpan] = []
         for item in prefills:
@@ -155,12 +156,10 @@ class ModelRunner:
             logits = out.logits[0]
         return ForwardResult(logits.float(), sample_indices)
 
-    def _decode_groups(self, decodes, ctx_lens: list[int]) -> list[DecodeGroup]:
+    def _decode_groups(self, tables: list[list[int]], ctx_lens: list[int]) -> list[DecodeGroup]:
         """Block tables and validity masks of the decode rows (longest context first), cut into
         groups of similar length so that short contexts are not padded to the longest one."""
         bs = self.block_size
-        tables = [item.seq.block_table for item in decodes]
-        tables += [[]] * (len(ctx_lens) - len(decodes))  # padding rows: the scratch block only
         groups = []
         for start, end in length_groups([-(-n // bs) for n in ctx_lens]):
             width = -(-ctx_lens[start] // bs)
@@ -170,22 +169,23 @@ class ModelRunner:
             groups.append(DecodeGroup(start, self._block_gather(tables[start:end], width), mask))
         return groups
 
-    def _kernel_decode(self, decodes, ctx_lens: list[int]) -> KernelDecode | None:
-        """Block tables (padded with the scratch block) and context lengths of every decode row."""
+    def _kernel_decode(self, tables: list[list[int]], ctx_lens: list[int]) -> KernelDecode | None:
+        """Block tables and context lengths of every decode row, for the C kernel."""
         if not ctx_lens:
             return None
         width = -(-max(ctx_lens) // self.block_size)
-        scratch = [self.num_blocks] * width
-        tables = [item.seq.block_table for item in decodes] + [[]] * (len(ctx_lens) - len(decodes))
-        block_tables = torch.tensor([(t[:width] + scratch)[:width] for t in tables], dtype=torch.long, device=self.device)
-        return KernelDecode(self.decode_kernel, block_tables, torch.tensor(ctx_lens, dtype=torch.long, device=self.device))
+        return KernelDecode(self.decode_kernel, self._padded_tables(tables, width),
+                            torch.tensor(ctx_lens, dtype=torch.long, device=self.device))
 
     def _block_gather(self, tables: list[list[int]], width: int) -> BlockGather:
         """The first `width` blocks of each table (padded with the scratch block), for every KV head."""
-        scratch = [self.num_blocks] * width
-        rows = torch.tensor([(t[:width] + scratch)[:width] for t in tables], dtype=torch.long, device=self.device)
         heads = torch.arange(self.spec.num_kv_heads, device=self.device) * (self.num_blocks + 1)
-        return BlockGather((heads[:, None, None] + rows).flatten(), len(tables), width)
+        return BlockGather((heads[:, None, None] + self._padded_tables(tables, width)).flatten(), len(tables), width)
+
+    def _padded_tables(self, tables: list[list[int]], width: int) -> torch.Tensor:
+        """[rows, width] int64: each table's first `width` blocks, padded with the scratch block."""
+        scratch = [self.num_blocks] * width
+        return torch.tensor([(t[:width] + scratch)[:width] for t in tables], dtype=torch.long, device=self.device)
 
     def _buffers_for(self, gathers: list[BlockGather]) -> tuple[torch.Tensor, torch.Tensor]:
         """Scratch for the largest of this step's gathers; kept (and only grown) across steps."""
