@@ -108,8 +108,7 @@ class FastLlamaForward:
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.lm_head = PackedLinear(model.lm_head.weight)
-        weight = model.lm_head.weight
-        self.kernels = kernels if kernels is not None and kernels.supports(weight.dtype, weight.device) else None
+        self.kernels = kernels  # the runner passes them only for a dtype and device they support
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return self.kernels.rms_norm(x, weight, eps) if self.kernels else _rms_norm(x, weight, eps)
