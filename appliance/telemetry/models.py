@@ -32,7 +32,6 @@ from appliance.records import ITERATION_METRICS, REQUEST_METRICS
 SERIES_COLUMNS: tuple[str, ...] = tuple(m.name for m in ITERATION_METRICS if m.rollup)
 ROLLUP_STATS: tuple[str, ...] = ("min", "max", "sum")
 
-
 # BIGINT on PostgreSQL, INTEGER (the rowid alias) on SQLite so autoincrement works there.
 BigId = BigInteger().with_variant(Integer(), "sqlite")
 
