@@ -237,6 +237,34 @@ def test_records_the_store_rejects_are_dropped_not_retried_forever(db_path: Path
     assert _persisted_drops(db_path) == 3
 
 
+def test_a_store_lacking_a_model_column_is_reported_once_as_a_bug_not_an_outage(
+    db_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # What a metric added to the models without its migration looks like to the writer.
+    store.upgrade(f"sqlite:///{db_path}")
+    with _db(db_path) as conn:
+        conn.execute("ALTER TABLE iterations DROP COLUMN padding_tokens")
+    with caplog.at_level(logging.WARNING, logger="appliance.telemetry"):
+        writer = _writer(db_path).start()
+        pump = Pump(writer)
+        for _ in range(3):  # several write rounds, each dropping its records at once
+            pump.push(20)
+            assert writer.flush(10)
+        assert writer.rows_written == 0 and writer.rows_dropped == 60
+        assert not writer.healthy
+        errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+        assert len(errors) == 1 and "iterations.padding_tokens" in errors[0], errors
+        assert not [r for r in caplog.records if "not writable" in r.getMessage()]  # no outage
+        with _db(db_path) as conn:  # the store migrated to match: writing resumes
+            conn.execute("ALTER TABLE iterations ADD COLUMN padding_tokens INTEGER NOT NULL DEFAULT 0")
+        pump.push(5)
+        assert writer.flush(10)
+        assert writer.healthy and writer.rows_written == 5
+    assert writer.close()
+    assert _iteration_numbers(db_path) == list(range(60, 65))
+    assert _persisted_drops(db_path) == 60
+
+
 def _run_fault(
     db_path: Path,
     caplog: pytest.LogCaptureFixture,

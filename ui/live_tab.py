@@ -44,12 +44,33 @@ SERIES_POINTS = {"1m": 120, "5m": 300, "1h": 360}
 RUN_POINTS = 300
 LATENCY_POINTS = 30
 RATE_WINDOW_S = 5.0  # the headline's tokens/s is measured over the last few seconds
-CHART_IDS = ("chart-running", "chart-waiting", "chart-kv", "chart-tokens", "chart-step-time",
-             "chart-throughput", "chart-ttft", "chart-itl")
-# Iteration columns the charts read. Output tokens/s counts decode tokens (one output token each);
-# the first token of a reply, produced by its last prefill chunk, is not in the iteration rows.
-SERIES = ("running", "max_num_seqs", "waiting", "kv_blocks_used", "kv_blocks_total", "prefill_tokens",
-          "decode_tokens", "padding_tokens", "token_budget", "duration_s", "preemptions")
+
+
+@dataclass(frozen=True)
+class LiveChart:
+    """One Live chart: its plot's element id and the iteration series (rolled-up metrics of
+    appliance.records) it reads. figure_specs draws them in this order."""
+
+    id: str
+    series: tuple[str, ...] = ()
+
+
+# Output tokens/s counts decode tokens (one output token each); the first token of a reply,
+# produced by its last prefill chunk, is not in the iteration rows.
+CHARTS = (
+    LiveChart("chart-running", ("running", "max_num_seqs")),
+    LiveChart("chart-waiting", ("waiting",)),
+    LiveChart("chart-kv", ("kv_blocks_used", "kv_blocks_total")),
+    LiveChart("chart-tokens", ("decode_tokens", "prefill_tokens", "padding_tokens", "token_budget")),
+    LiveChart("chart-step-time", ("duration_s",)),
+    LiveChart("chart-throughput", ("decode_tokens",)),
+    LiveChart("chart-ttft"),  # request latencies, not iteration series
+    LiveChart("chart-itl"),
+)
+CHART_IDS = tuple(chart.id for chart in CHARTS)
+HEADLINE_SERIES = ("preemptions",)  # the headline's preemption count over the window
+# Every iteration column the tab reads, fetched in one query per tick.
+SERIES = tuple(dict.fromkeys([*(name for chart in CHARTS for name in chart.series), *HEADLINE_SERIES]))
 
 
 @dataclass

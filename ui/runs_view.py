@@ -10,6 +10,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
+from appliance.records import COMPLETED_REASONS, FAILED_REASONS
 from appliance.telemetry import queries
 
 KNOB_COLUMNS = (
@@ -68,8 +69,8 @@ def run_figures(db: Any, run: dict[str, Any]) -> dict[str, Any]:
     dist = {k: server.get(f"{k}_s") or {} for k in ("ttft", "itl", "e2e")}
     reasons = server.get("finish_reasons", {})
     return {
-        "completed": reasons.get("stop", 0) + reasons.get("length", 0),
-        "failed": reasons.get("abort", 0) + reasons.get("error", 0),
+        "completed": sum(reasons.get(r, 0) for r in COMPLETED_REASONS),
+        "failed": sum(reasons.get(r, 0) for r in FAILED_REASONS),
         "output_tok_s": _scaled(server.get("output_tokens_per_s"), 1, 1),
         "req_s": _scaled(server.get("requests_per_s"), 1, 2),
         "ttft_p50_ms": _scaled(dist["ttft"].get("p50"), 1000, 1),

@@ -26,6 +26,7 @@ import httpx
 
 from appliance.bench.metrics import SLO, RequestResult, Summary, itl_from_times, summarize
 from appliance.bench.workloads import BenchRequest
+from appliance.records import FAILED_REASONS
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8000"
 CONNECT_TIMEOUT_S = 10.0
@@ -400,7 +401,7 @@ class LoadGenerator:
             result.output_tokens = len(chunk_times)
         if not finished:
             _fail(result, "aborted", "the stream ended without data: [DONE]")
-        elif result.finish_reason in ("abort", "error"):
+        elif result.finish_reason in FAILED_REASONS:
             _fail(result, "aborted", f"the server ended the request (finish_reason {result.finish_reason})")
         else:
             result.e2e = end - start

@@ -15,8 +15,9 @@ from typing import TYPE_CHECKING, Any
 
 from appliance.bench.loadgen import BenchError, LoadGenerator, LoadResult, RunStart
 from appliance.bench.metrics import RequestResult, percentile
+from appliance.records import RunStatus
 
-STATUS_BY_STOP = {None: "completed", "duration": "completed", "cancelled": "cancelled"}
+STATUS_BY_STOP = {None: RunStatus.COMPLETED, "duration": RunStatus.COMPLETED, "cancelled": RunStatus.CANCELLED}
 EXTERNAL_REPLICA = "external"  # replica id of runs against servers other than the appliance
 
 if TYPE_CHECKING:
@@ -33,7 +34,7 @@ class BenchmarkRun:
     arrival: dict[str, Any]
     base_url: str
     load: LoadResult
-    status: str  # completed | cancelled
+    status: RunStatus  # COMPLETED or CANCELLED
     db_url: str | None = None
     storage_error: str | None = None
 
@@ -94,7 +95,7 @@ async def run_benchmark(
         load = await generator.run(run_id, on_start=started)
     except BaseException as exc:
         if store is not None and store.started:
-            store.fail(run_id, "cancelled" if isinstance(exc, asyncio.CancelledError) else "failed")
+            store.fail(run_id, RunStatus.CANCELLED if isinstance(exc, asyncio.CancelledError) else RunStatus.FAILED)
         raise
     run = BenchmarkRun(run_id, name, workload, generator.arrival, generator.base_url, load,
                        STATUS_BY_STOP[load.stopped], db_url)
@@ -182,7 +183,7 @@ class RunStore:
         finally:
             self.close()
 
-    def fail(self, run_id: str, status: str) -> None:
+    def fail(self, run_id: str, status: RunStatus) -> None:
         """Close a run the generator did not finish (best effort: an error is on its way)."""
         from appliance.telemetry import runs
 

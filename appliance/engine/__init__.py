@@ -11,7 +11,7 @@ _EXPORTS = {
     "QueueFullError": "async_engine", "EngineConfig": "config", "parse_bytes": "config",
     "LLMEngine": "engine", "RequestOutput": "engine", "KnobError": "knobs", "Knobs": "knobs",
     "InvalidRequestError": "sampling", "SamplingParams": "sampling", "IterationStats": "stats",
-    "KnobChange": "stats", "RequestStats": "stats", "StatsSink": "stats",
+    "KnobChange": "stats", "RequestStats": "stats", "StatsSink": "stats", "FinishReason": "stats",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -22,7 +22,7 @@ from .model_runner import ModelRunner, kv_cache_spec
 from .sampling import InvalidRequestError, SamplingParams, make_generator, sample
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Sequence, Status
-from .stats import IterationStats, KnobChange, RequestStats, StatsSink
+from .stats import FinishReason, IterationStats, KnobChange, RequestStats, StatsSink
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ class RequestOutput:
     new_text: str
     token_ids: list[int]
     finished: bool
-    finish_reason: str | None
+    finish_reason: FinishReason | None
     prompt_tokens: int
     output_tokens: int
     error: str | None = None
@@ -178,7 +178,7 @@ class LLMEngine:
         seq = self._seqs.get(request_id)
         if seq is None or seq.is_finished:
             return False
-        self._finish(seq, "abort")
+        self._finish(seq, FinishReason.ABORT)
         self._aborted.append(self._output(seq, [], ""))
         return True
 
@@ -212,7 +212,7 @@ class LLMEngine:
             log.exception("iteration %d failed; ending its %d requests with an error", self.iteration, len(sched.scheduled))
             for item in sched.scheduled:  # each gets exactly one final output
                 if not item.seq.is_finished:
-                    self._finish(item.seq, "error", error=f"internal error in the model: {type(exc).__name__}")
+                    self._finish(item.seq, FinishReason.ERROR, error=f"internal error in the model: {type(exc).__name__}")
                 outputs.append(self._output(item.seq, [], ""))
         self._publish(sched, started, time.perf_counter() - t0, sum(o.finished for o in outputs))
         return outputs
@@ -257,15 +257,15 @@ class LLMEngine:
             return []
         return list(self.eos_token_ids) + list(seq.params.stop_token_ids)
 
-    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+    def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         p = seq.params
         if seq.num_output_tokens >= p.min_tokens:
             if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
-                return "stop"
+                return FinishReason.STOP
             if p.stop and self._truncate_at_stop(seq):
-                return "stop"
+                return FinishReason.STOP
         if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
-            return "length"
+            return FinishReason.LENGTH
         return None
 
     def _truncate_at_stop(self, seq: Sequence) -> bool:
@@ -280,7 +280,7 @@ class LLMEngine:
 
     def _new_text(self, seq: Sequence) -> str:
         """Text not yet returned; while a stop string could still be forming, hold its tail back."""
-        if seq.is_finished and seq.finish_reason != "stop":
+        if seq.is_finished and seq.finish_reason is not FinishReason.STOP:
             seq.detokenizer.flush()
         text = seq.detokenizer.text
         end = len(text)
@@ -290,7 +290,7 @@ class LLMEngine:
         seq.emitted_text_len = end
         return piece
 
-    def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
+    def _finish(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:
         self.scheduler.remove(seq)
         seq.status = Status.FINISHED
         seq.finish_reason = reason

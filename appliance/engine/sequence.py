@@ -15,7 +15,7 @@ import torch
 
 from .detokenizer import IncrementalDetokenizer
 from .sampling import SamplingParams
-from .stats import RequestStats
+from .stats import FinishReason, RequestStats
 
 
 class Status(enum.Enum):
@@ -40,7 +40,7 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     error: str | None = None
     preemptions: int = 0
     first_scheduled: float | None = None

@@ -14,10 +14,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from ..engine.stats import IterationStats, RequestStats, StatsSink
+from ..engine.stats import FinishReason, IterationStats, RequestStats, StatsSink
 
 PREFIX = "appliance:"
-FINISH_REASONS = ("stop", "length", "abort", "error")
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                     7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 _ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -69,7 +68,7 @@ class ServerMetrics(StatsSink):
                                          "Generated tokens of finished requests.", registry=r)
         self.request_success = Counter(PREFIX + "request_success", "Finished requests by finish reason.",
                                        ["finished_reason"], registry=r)
-        for reason in FINISH_REASONS:
+        for reason in FinishReason:
             self.request_success.labels(reason)
         self.iteration_tokens = Histogram(PREFIX + "iteration_tokens_total", "Tokens scheduled per iteration.",
                                           buckets=_ITERATION_TOKEN_BUCKETS, registry=r)

@@ -26,6 +26,7 @@ from starlette.types import Receive, Scope, Send
 from ..engine import (
     EngineDeadError,
     EngineDrainingError,
+    FinishReason,
     InvalidRequestError,
     QueueFullError,
     RequestOutput,
@@ -147,7 +148,7 @@ class _Formatter:
         self.created = int(time.time())
         self.include_usage = include_usage
 
-    def chunk(self, text: str | None, finish_reason: str | None, role: bool = False) -> dict[str, Any]:
+    def chunk(self, text: str | None, finish_reason: FinishReason | None, role: bool = False) -> dict[str, Any]:
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
             if text is not None:
@@ -218,7 +219,7 @@ async def _generate(request: Request, state: AppState, req: GenerationRequest, p
         _release(state)
         watcher.stop()
         await outputs.aclose()
-    if final.finish_reason == "error":
+    if final.finish_reason is FinishReason.ERROR:
         raise _model_fault(final)
     return JSONResponse(fmt.complete(final), headers=headers)
 
@@ -259,7 +260,7 @@ async def _events(fmt: _Formatter, first: RequestOutput, outputs: AsyncIterator[
         while True:
             if out.finished:
                 yield _sse(fmt.chunk(out.new_text if (out.new_text or not fmt.chat) else None, out.finish_reason))
-                if out.finish_reason == "error":
+                if out.finish_reason is FinishReason.ERROR:
                     yield _sse(_model_fault(out).body())
                 if fmt.include_usage:
                     yield _sse(fmt.usage_chunk(out))
@@ -269,7 +270,7 @@ async def _events(fmt: _Formatter, first: RequestOutput, outputs: AsyncIterator[
             try:
                 out = await outputs.__anext__()
             except Exception as exc:  # noqa: BLE001 - the engine went away mid-stream
-                yield _sse(fmt.chunk(None if fmt.chat else "", "error"))
+                yield _sse(fmt.chunk(None if fmt.chat else "", FinishReason.ERROR))
                 yield _sse({"error": error_object(f"the engine stopped: {exc}", "server_error", None,
                                                   "engine_unavailable")})
                 break

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..engine.knobs import MAX_BATCHED_TOKENS_LIMIT, MAX_NUM_SEQS_LIMIT, POLICIES
+from ..engine.stats import FinishReason
 from .protocol import MAX_STOP_STRINGS, RUN_ID_MAX_LEN, SOURCES, UNSUPPORTED_DEFAULTS
 
 
@@ -87,7 +88,7 @@ def build_openapi(model: str, max_model_len: int, vocab_size: int, auth: bool) -
     usage = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"], "properties": {
         "prompt_tokens": {"type": "integer"}, "completion_tokens": {"type": "integer"},
         "total_tokens": {"type": "integer"}}}
-    finish = _nullable({"type": "string", "enum": ["stop", "length", "abort", "error"]})
+    finish = _nullable({"type": "string", "enum": [r.value for r in FinishReason]})
     knob_props = {
         "max_num_seqs": {"type": "integer", "minimum": 1, "maximum": MAX_NUM_SEQS_LIMIT},
         "max_num_batched_tokens": {"type": "integer", "minimum": 1, "maximum": MAX_BATCHED_TOKENS_LIMIT},

@@ -1,6 +1,7 @@
 """SQLAlchemy models of the telemetry store. The schema itself is owned by the Alembic
 migrations in the top-level `migrations/` folder; these models must match their head
-(tests/test_telemetry_migrations.py checks it).
+(tests/test_telemetry_migrations.py checks it). The columns of `iterations` and `requests`, and
+the rolled-up columns, come from the engine records' declarations (appliance.records).
 
 Times are wall-clock seconds since the epoch (float), as the engine records them.
 """
@@ -24,28 +25,12 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
+from appliance.metrics_spec import Metric
+from appliance.records import ITERATION_METRICS, REQUEST_METRICS
+
 # Numeric iteration columns that can be charted (and that the 1 s rollup aggregates).
-SERIES_COLUMNS: tuple[str, ...] = (
-    "duration_s",
-    "running",
-    "waiting",
-    "prefill_seqs",
-    "prefill_tokens",
-    "decode_seqs",
-    "decode_tokens",
-    "scheduled_tokens",
-    "padding_tokens",
-    "token_budget",
-    "max_num_seqs",
-    "kv_blocks_used",
-    "kv_blocks_free",
-    "kv_blocks_total",
-    "preemptions",
-    "finished",
-    "knob_version",
-)
+SERIES_COLUMNS: tuple[str, ...] = tuple(m.name for m in ITERATION_METRICS if m.rollup)
 ROLLUP_STATS: tuple[str, ...] = ("min", "max", "sum")
-RUN_STATUSES: tuple[str, ...] = ("running", "completed", "cancelled", "failed", "interrupted")
 
 # BIGINT on PostgreSQL, INTEGER (the rowid alias) on SQLite so autoincrement works there.
 BigId = BigInteger().with_variant(Integer(), "sqlite")
@@ -55,37 +40,31 @@ class Base(DeclarativeBase):
     type_annotation_map = {dict[str, Any]: JSON, list[float]: JSON}
 
 
+def metric_columns(metrics: tuple[Metric, ...]) -> list[Column]:
+    """The columns of an engine record's fields, as their Metric declarations describe them."""
+    return [Column(m.name, _sql_type(m), nullable=m.nullable) for m in metrics]
+
+
+def _sql_type(m: Metric) -> Any:
+    if m.type is float:
+        return Double()
+    if m.type is int:
+        return BigInteger() if m.wide else Integer()
+    return String(m.max_length)
+
+
 class Iteration(Base):
     """One engine iteration (IterationStats + replica_id)."""
 
-    __tablename__ = "iterations"
-    __table_args__ = (
+    __table__ = Table(
+        "iterations",
+        Base.metadata,
+        Column("id", BigId, primary_key=True, autoincrement=True),
+        Column("replica_id", String(64), nullable=False),
+        *metric_columns(ITERATION_METRICS),
         Index("ix_iterations_replica_started", "replica_id", "started_at"),
         Index("ix_iterations_started", "started_at"),
     )
-
-    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
-    replica_id: Mapped[str] = mapped_column(String(64))
-    iteration: Mapped[int] = mapped_column(BigInteger)
-    started_at: Mapped[float] = mapped_column(Double)
-    duration_s: Mapped[float] = mapped_column(Double)
-    running: Mapped[int] = mapped_column(Integer)
-    waiting: Mapped[int] = mapped_column(Integer)
-    prefill_seqs: Mapped[int] = mapped_column(Integer)
-    prefill_tokens: Mapped[int] = mapped_column(Integer)
-    decode_seqs: Mapped[int] = mapped_column(Integer)
-    decode_tokens: Mapped[int] = mapped_column(Integer)
-    scheduled_tokens: Mapped[int] = mapped_column(Integer)
-    padding_tokens: Mapped[int] = mapped_column(Integer)
-    token_budget: Mapped[int] = mapped_column(Integer)
-    max_num_seqs: Mapped[int] = mapped_column(Integer)
-    kv_blocks_used: Mapped[int] = mapped_column(Integer)
-    kv_blocks_free: Mapped[int] = mapped_column(Integer)
-    kv_blocks_total: Mapped[int] = mapped_column(Integer)
-    preemptions: Mapped[int] = mapped_column(Integer)
-    finished: Mapped[int] = mapped_column(Integer)
-    knob_version: Mapped[int] = mapped_column(Integer)
-    policy: Mapped[str] = mapped_column(String(32))
 
 
 # Per-replica, per-second aggregates of the iteration rows (n, and min/max/sum of every
@@ -105,27 +84,17 @@ iteration_rollups = Table(
 class Request(Base):
     """One finished request as the server saw it (RequestStats + replica_id)."""
 
-    __tablename__ = "requests"
-    __table_args__ = (
+    __table__ = Table(
+        "requests",
+        Base.metadata,
+        Column("id", BigId, primary_key=True, autoincrement=True),
+        Column("replica_id", String(64), nullable=False),
+        *metric_columns(REQUEST_METRICS),
         Index("ix_requests_replica_finished", "replica_id", "finished"),
         Index("ix_requests_finished", "finished"),
         Index("ix_requests_run", "run_id"),
         Index("ix_requests_request_id", "request_id"),
     )
-
-    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
-    request_id: Mapped[str] = mapped_column(String(128))
-    replica_id: Mapped[str] = mapped_column(String(64))
-    run_id: Mapped[str | None] = mapped_column(String(36))
-    source: Mapped[str] = mapped_column(String(16))
-    arrival: Mapped[float] = mapped_column(Double)
-    first_scheduled: Mapped[float | None] = mapped_column(Double)
-    first_token: Mapped[float | None] = mapped_column(Double)
-    finished: Mapped[float] = mapped_column(Double)
-    prompt_tokens: Mapped[int] = mapped_column(Integer)
-    output_tokens: Mapped[int] = mapped_column(Integer)
-    finish_reason: Mapped[str] = mapped_column(String(16))
-    preemptions: Mapped[int] = mapped_column(Integer)
 
 
 class KnobChangeRow(Base):
@@ -161,7 +130,7 @@ class Run(Base):
     knobs: Mapped[dict[str, Any]]
     started_at: Mapped[float] = mapped_column(Double)
     ended_at: Mapped[float | None] = mapped_column(Double)
-    status: Mapped[str] = mapped_column(String(16))  # one of RUN_STATUSES
+    status: Mapped[str] = mapped_column(String(16))  # a RunStatus
     summary: Mapped[dict[str, Any] | None] = mapped_column(JSON)
 
 

@@ -22,6 +22,7 @@ from typing import Any
 from sqlalchemy import Double, bindparam, func, select
 from sqlalchemy.engine import Connection, Engine
 
+from appliance.records import COMPLETED_REASONS, RunStatus
 from appliance.telemetry.models import (
     SERIES_COLUMNS,
     Iteration,
@@ -202,7 +203,7 @@ def latest(target: Engine | str, replica_id: str | None = None) -> dict[str, Any
             for name, table in (("iterations", it), ("requests", req), ("knob_changes", kc), ("runs", runs))
         }
         counts["runs_running"] = conn.execute(
-            scoped(select(func.count()).select_from(runs), runs).where(runs.c.status == "running")
+            scoped(select(func.count()).select_from(runs), runs).where(runs.c.status == RunStatus.RUNNING)
         ).scalar_one()
         counts["rows_dropped"] = int(
             conn.execute(scoped(select(func.coalesce(func.sum(drops.c.count), 0)), drops)).scalar_one()
@@ -241,7 +242,7 @@ def run_summary(target: Engine | str, run_id: str) -> dict[str, Any]:
                 itl.append((finished - first) / (out - 1))
         if scheduled is not None:
             queue.append(scheduled - arrival)
-        if reason in ("stop", "length"):
+        if reason in COMPLETED_REASONS:
             e2e.append(finished - arrival)
     span = (max(r.finished for r in rows) - min(r.arrival for r in rows)) if rows else 0.0
     output_tokens = sum(r.output_tokens for r in rows)
@@ -324,7 +325,7 @@ def latency_series(
         if metric == "itl":
             query = query.where(req.c.output_tokens > 1)
         if metric == "e2e":
-            query = query.where(req.c.finish_reason.in_(("stop", "length")))
+            query = query.where(req.c.finish_reason.in_(COMPLETED_REASONS))
         if replica_id is not None:
             query = query.where(req.c.replica_id == replica_id)
         if run_id is not None:

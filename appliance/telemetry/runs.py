@@ -12,10 +12,10 @@ from typing import Any
 from sqlalchemy import insert, select, update
 from sqlalchemy.engine import Connection, Engine
 
-from appliance.telemetry.models import RUN_STATUSES, Run, RunRequest
+from appliance.records import FINAL_STATUSES, RunStatus
+from appliance.telemetry.models import Run, RunRequest
 from appliance.telemetry.store import using_engine
 
-FINAL_STATUSES = tuple(s for s in RUN_STATUSES if s != "running")
 _RUN_REQUEST_FIELDS = frozenset(
     c.name for c in RunRequest.__table__.columns if c.name not in ("id", "run_id")
 )
@@ -55,7 +55,7 @@ def create_run(
                 knobs=dict(knobs),
                 started_at=time.time() if started_at is None else started_at,
                 ended_at=None,
-                status="running",
+                status=RunStatus.RUNNING,
                 summary=None,
             )
         )
@@ -95,7 +95,7 @@ def add_run_requests(target: Engine | str, run_id: str, rows: Iterable[Mapping[s
 def finish_run(
     target: Engine | str,
     run_id: str,
-    status: str,
+    status: RunStatus | str,
     summary: Mapping[str, Any] | None = None,
     *,
     ended_at: float | None = None,
@@ -139,12 +139,12 @@ def list_runs(
     target: Engine | str,
     *,
     replica_id: str | None = None,
-    status: str | None = None,
+    status: RunStatus | str | None = None,
     limit: int = 100,
 ) -> list[dict[str, Any]]:
     """Runs, newest first."""
-    if status is not None and status not in RUN_STATUSES:
-        raise ValueError(f"run status must be one of {', '.join(RUN_STATUSES)}, got {status!r}")
+    if status is not None and status not in tuple(RunStatus):
+        raise ValueError(f"run status must be one of {', '.join(RunStatus)}, got {status!r}")
     runs = Run.__table__
     query = select(runs).order_by(runs.c.started_at.desc()).limit(limit)
     if replica_id is not None:
@@ -159,7 +159,8 @@ def mark_interrupted_runs(target: Engine | str, replica_id: str | None = None) -
     """Mark runs still "running" (of one replica, or all) as "interrupted"; returns how many.
     The server calls this at start: a run cannot survive the process that drove it."""
     runs = Run.__table__
-    query = update(runs).where(runs.c.status == "running").values(status="interrupted", ended_at=time.time())
+    query = (update(runs).where(runs.c.status == RunStatus.RUNNING)
+             .values(status=RunStatus.INTERRUPTED, ended_at=time.time()))
     if replica_id is not None:
         query = query.where(runs.c.replica_id == replica_id)
     with _writing(target) as conn:

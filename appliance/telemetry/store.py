@@ -18,10 +18,11 @@ from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import create_engine, event, text
+from sqlalchemy import create_engine, event, inspect, text
 from sqlalchemy.engine import Connection, Engine, make_url
 
 import appliance
+from appliance.telemetry.models import Base
 
 DEFAULT_URL = "sqlite:///appliance.db"
 MIGRATIONS_DIR = Path(appliance.__file__).resolve().parents[1] / "migrations"
@@ -136,6 +137,23 @@ def current(url: str | Engine = DEFAULT_URL) -> str | None:
     """The revision the store is at, or None when it has never been migrated."""
     with using_engine(url) as engine, engine.connect() as conn:
         return MigrationContext.configure(conn).get_current_revision()
+
+
+def missing_columns(url: str | Engine = DEFAULT_URL) -> list[str]:
+    """What the models have and the store lacks, as "table" or "table.column" (empty when the
+    store holds every model column). Anything listed means the models and the migrations
+    disagree: a bug to fix with a migration, not a store to wait for."""
+    with using_engine(url) as engine, engine.connect() as conn:
+        insp = inspect(conn)
+        present = set(insp.get_table_names())
+        missing: list[str] = []
+        for table in Base.metadata.sorted_tables:
+            if table.name not in present:
+                missing.append(table.name)
+                continue
+            columns = {c["name"] for c in insp.get_columns(table.name)}
+            missing += [f"{table.name}.{c.name}" for c in table.columns if c.name not in columns]
+    return missing
 
 
 def revisions() -> list[str]:

@@ -8,7 +8,9 @@ retention policy, and survives a store that is locked, read-only, deleted or ful
 with backoff, logs once per `log_interval_s`, drops the oldest rows when the buffer overflows
 (counted in `rows_dropped` and, once the store works again, in the telemetry_drops table) and
 resumes by itself. A SQLite file that is deleted or replaced while open is detected (by inode)
-and recreated at the head revision.
+and recreated at the head revision. A store that lacks columns the models write (the models and
+the migrations disagree: a bug, not an outage) is reported once as an error, and its records
+are dropped and counted at once instead of being held and retried.
 """
 
 from __future__ import annotations
@@ -101,6 +103,11 @@ class _StoreReplaced(Exception):
     """The SQLite file changed under the batch just committed; write it again to the new one."""
 
 
+class _SchemaMismatch(Exception):
+    """The store lacks tables or columns the models write (store.missing_columns): the models
+    and the migrations disagree. A bug, not an outage: waiting cannot fix it."""
+
+
 # What the buffer holds: IterationStats as a tuple of its field values (see on_iteration).
 Record = tuple[Any, ...] | RequestStats | KnobChange
 
@@ -174,6 +181,7 @@ class TelemetryWriter(StatsSink):
         self._engine: Engine | None = None
         self._file_id: tuple[int, int] | None = None
         self._schema_ok = False
+        self._mismatch_reported = False
         self._backoff = 0.0
         self._retry_at = 0.0
         self._failures_unreported = 0
@@ -212,7 +220,8 @@ class TelemetryWriter(StatsSink):
 
     @property
     def rows_dropped(self) -> int:
-        """Records lost so far (buffer overflow, or still unwritten at close)."""
+        """Records lost so far (buffer overflow, rejected by the store, a store whose schema
+        does not match the models, or still unwritten at close)."""
         with self._lock:
             return self._dropped
 
@@ -333,6 +342,9 @@ class TelemetryWriter(StatsSink):
         except _StoreReplaced:
             self._hurry = True  # the next round recreates the file and writes the batch again
             return held
+        except _SchemaMismatch as exc:
+            self._drop_mismatched(held, exc)
+            return deque()
         except Exception as exc:  # noqa: BLE001 - any store failure must not stop serving
             if _is_bad_data(exc):
                 return self._salvage(held, exc)
@@ -371,6 +383,24 @@ class TelemetryWriter(StatsSink):
                 self._dropped += rejected
         return held
 
+    def _drop_mismatched(self, held: deque[Record], exc: _SchemaMismatch) -> None:
+        """Drop (and count) a batch the store's schema cannot take; say so loudly, once. The
+        schema is checked again every round, so writing resumes once the store is migrated."""
+        if not self._mismatch_reported:
+            log.error(
+                "telemetry store %s lacks %s, which the models write: the models and the "
+                "migrations disagree (a bug: add the migration). Telemetry is dropped until the "
+                "store matches.",
+                self._safe_url,
+                exc,
+            )
+            self._mismatch_reported = True
+        self._healthy = False
+        with self._lock:
+            self._dropped += len(held)
+        with self._progress:
+            self._progress.notify_all()
+
     def _count_written(self, n: int) -> None:
         with self._progress:
             self._written += n
@@ -406,6 +436,8 @@ class TelemetryWriter(StatsSink):
             engine = self._open()
             with engine.begin() as conn:
                 return prune(conn, self._retention, self.replica_id)
+        except _SchemaMismatch:  # reported by the write rounds
+            return False
         except Exception as exc:  # noqa: BLE001 - retried at the next prune interval
             self._failed(exc)
             return False
@@ -428,7 +460,11 @@ class TelemetryWriter(StatsSink):
             if revision is None or (revision != self._head and revision in self._known_revisions):
                 log.info("telemetry store %s at revision %s; upgrading", self._safe_url, revision)
                 store.upgrade(self._engine)
+            missing = store.missing_columns(self._engine)
+            if missing:
+                raise _SchemaMismatch(", ".join(missing))
             self._schema_ok = True
+            self._mismatch_reported = False
             if self._sqlite_path:
                 self._file_id = self._stat()
         return self._engine
