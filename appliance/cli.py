@@ -59,7 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_arguments(sub.add_parser("bench", help="load-test an OpenAI-compatible server"))
 
-    from .bench.report_cli import add_report_arguments, add_tune_arguments
+    from .bench.report.cli import add_report_arguments
+    from .bench.tune_cli import add_tune_arguments
 
     add_report_arguments(sub.add_parser("report", help="write a tuning report for stored runs"))
     add_tune_arguments(sub.add_parser("tune", help="sweep the knobs on a running server"))
@@ -85,11 +86,11 @@ def main(argv: list[str] | None = None) -> int:
 
             return bench_main(args)
         if args.command == "report":
-            from .bench.report_cli import report_main
+            from .bench.report.cli import report_main
 
             return report_main(args)
         if args.command == "tune":
-            from .bench.report_cli import tune_main
+            from .bench.tune_cli import tune_main
 
             return tune_main(args)
     except (ValueError, FileNotFoundError, RuntimeError) as exc:

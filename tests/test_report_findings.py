@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from appliance.bench.analysis import compare, findings
-from appliance.bench.report_data import IterationTotals, RunData
+from appliance.bench.report.analysis import compare, findings
+from appliance.bench.report.data import IterationTotals, RunData
 
 QUIET = IterationTotals(iterations=100, busy_s=10.0, scheduled_tokens=20_000, prefill_tokens=15_000,
                         decode_tokens=5_000, padding_tokens=0, preemptions=0, budget_use_mean=0.8,

@@ -32,7 +32,7 @@ from appliance.bench.tune import (
     pareto_front,
     run_sweep,
 )
-from appliance.bench.tune_report import pareto_figure, render_sweep, summary_lines
+from appliance.bench.report.sweep import pareto_figure, render_sweep, summary_lines
 from ui.context import DashboardContext
 from ui.loadtest_tab import LoadSpec, LoadTests, build_spec, run_to_end
 
@@ -227,7 +227,7 @@ def recommendation_text(result: SweepResult | None) -> str:
 
 
 def write_report(result: SweepResult, fmt: str) -> Path:
-    """The sweep report (appliance.bench.tune_report) in `fmt` (a key of REPORT_FORMATS), written
+    """The sweep report (appliance.bench.report.sweep) in `fmt` (a key of REPORT_FORMATS), written
     to a fresh temporary file for download."""
     if fmt not in REPORT_FORMATS:
         raise ValueError(f"unknown report format {fmt!r}; choose from {', '.join(REPORT_FORMATS)}")

@@ -15,9 +15,9 @@ from typing import Any, Callable
 
 import httpx
 
-from appliance.bench.analysis import metric_value
+from appliance.bench.report.analysis import metric_value
 from appliance.bench.loadgen import BenchError, LoadGenerator, fetch_knobs
-from appliance.bench.report_data import IterationTotals, iteration_totals, wait_for_server_rows
+from appliance.bench.report.data import IterationTotals, iteration_totals, wait_for_server_rows
 from appliance.bench.runner import BenchmarkRun, run_benchmark
 
 POLICIES = ("continuous", "static")

@@ -181,7 +181,7 @@ def bench_main(args: argparse.Namespace) -> int:
     progress = ConsoleProgress()
     generator.progress = progress
     try:
-        run = asyncio.run(_run(generator, workload, args.name, args.db or _default_db()))
+        run = asyncio.run(_run(generator, workload, args.name, db_url(args.db)))
     except BenchError as exc:
         print(f"appliance bench: error: {exc}", file=sys.stderr)
         return 2
@@ -226,7 +226,7 @@ def _ab_main(args: argparse.Namespace, requests: list[BenchRequest], workload: s
 
     try:
         result = asyncio.run(run_ab(factory, workload=workload, name=args.name,
-                                    db_url=args.db or _default_db()))
+                                    db_url=db_url(args.db)))
     except BenchError as exc:
         print(f"appliance bench: error: {exc}", file=sys.stderr)
         return 2
@@ -243,10 +243,11 @@ def _ab_main(args: argparse.Namespace, requests: list[BenchRequest], workload: s
     return 0 if clean else 1
 
 
-def _default_db() -> str:
+def db_url(url: str | None) -> str:
+    """`--db`, else the default telemetry store."""
     from appliance.telemetry.store import DEFAULT_URL
 
-    return DEFAULT_URL
+    return url or DEFAULT_URL
 
 
 async def _run(generator: LoadGenerator, workload: str, name: str | None, db: str) -> BenchmarkRun:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from statistics import fmean
 from typing import Any, Sequence
 
-from appliance.bench.report_data import BUDGET_FULL, KV_PINNED, RunData
+from appliance.bench.report.data import BUDGET_FULL, KV_PINNED, RunData
 
 TAIL_RATIO = 3.0  # P99/P50 above this: the article's sign of a scheduling bottleneck
 MIN_SAMPLES = 4  # fewer latencies than this: no tail finding

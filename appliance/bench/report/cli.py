@@ -1,29 +1,23 @@
-"""`appliance report` (write the report of stored runs) and `appliance tune` (sweep the knobs of
-a running appliance).
+"""`appliance report`: write the report of stored runs.
 
-Exit status of `report`: 0 written, 2 bad arguments or unknown run. Of `tune`: 0 when a setting
-met the SLO (and was applied with --apply), 1 when none did, 2 when the sweep could not run.
+Exit status: 0 written, 2 bad arguments or unknown run. `format_for` and `write_output` also
+serve `appliance tune --report` (appliance.bench.tune_cli).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
-from appliance.bench.cli import API_KEY_ENV, add_workload_arguments, build_workload
-from appliance.bench.loadgen import BenchError
-from appliance.bench.report import FORMATS, normalize_format, render_report
-from appliance.bench.tune import DEFAULT_ATTAINMENT, TUNED, Grid, run_sweep
-from appliance.bench.tune_report import render_sweep, summary_lines
+from appliance.bench.cli import db_url
+from appliance.bench.report.runs import FORMATS, normalize_format, render_report
 
 SUFFIX_FORMATS = {".html": "html", ".htm": "html", ".md": "md", ".markdown": "md", ".csv": "csv", ".json": "json"}
-GRID_FLAGS = {"max_num_seqs": "--max-num-seqs", "max_num_batched_tokens": "--max-num-batched-tokens",
-              "long_prefill_token_threshold": "--chunk-sizes"}
+FORMAT_CHOICES = [*FORMATS, "markdown"]
 
 
-def _format_for(fmt: str | None, output: str | None) -> str:
+def format_for(fmt: str | None, output: str | None) -> str:
     """--format, else the output file's suffix, else html."""
     if fmt is not None:
         return normalize_format(fmt)
@@ -32,7 +26,8 @@ def _format_for(fmt: str | None, output: str | None) -> str:
     return "html"
 
 
-def _write(text: str, output: str | None) -> None:
+def write_output(text: str, output: str | None) -> None:
+    """Write `text` to the file `output` (standard output for None or "-")."""
     if output is None or output == "-":
         sys.stdout.write(text)
         return
@@ -42,19 +37,10 @@ def _write(text: str, output: str | None) -> None:
     path.write_text(text, encoding="utf-8")
 
 
-def _db(url: str | None) -> str:
-    from appliance.telemetry.store import DEFAULT_URL
-
-    return url or DEFAULT_URL
-
-
-# ------------------------------------------------------------------------------------ report
-
-
 def add_report_arguments(parser: argparse.ArgumentParser) -> None:
     """The `appliance report` flags."""
     parser.add_argument("run_ids", nargs="+", metavar="RUN_ID", help="stored runs to report on (in order)")
-    parser.add_argument("--format", choices=[*FORMATS, "markdown"], default=None,
+    parser.add_argument("--format", choices=FORMAT_CHOICES, default=None,
                         help="html (self-contained, opens offline), md, csv or json "
                              "(default: from --output's suffix, else html)")
     parser.add_argument("--output", "-o", default=None, help="file to write (default: standard output)")
@@ -63,80 +49,12 @@ def add_report_arguments(parser: argparse.ArgumentParser) -> None:
 
 def report_main(args: argparse.Namespace) -> int:
     try:
-        fmt = _format_for(args.format, args.output)
-        text = render_report(_db(args.db), list(args.run_ids), fmt)
-        _write(text, args.output)
+        fmt = format_for(args.format, args.output)
+        text = render_report(db_url(args.db), list(args.run_ids), fmt)
+        write_output(text, args.output)
     except (ValueError, LookupError, FileNotFoundError) as exc:
         print(f"appliance report: error: {exc}", file=sys.stderr)
         return 2
     if args.output not in (None, "-"):
         print(f"wrote the {fmt} report of {len(args.run_ids)} run(s) to {args.output}", file=sys.stderr)
     return 0
-
-
-# -------------------------------------------------------------------------------------- tune
-
-
-def _int_list(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(v) for v in text.split(",") if v.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
-
-
-def _share(text: str) -> float:
-    value = float(text)
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"must be within (0, 1], got {text}")
-    return value
-
-
-def add_tune_arguments(parser: argparse.ArgumentParser) -> None:
-    """The `appliance tune` flags (the workload flags are `appliance bench`'s)."""
-    add_workload_arguments(parser)
-    default = Grid()
-    for name in TUNED:
-        values = ",".join(str(v) for v in getattr(default, name))
-        parser.add_argument(GRID_FLAGS[name], dest=name, type=_int_list, default=getattr(default, name),
-                            help=f"coarse grid values of {name} (default {values})")
-    parser.add_argument("--no-refine", action="store_true", help="skip the refinement around the best point")
-    parser.add_argument("--attainment", type=_share, default=DEFAULT_ATTAINMENT,
-                        help=f"share of requests that must meet the SLO (default {DEFAULT_ATTAINMENT})")
-    parser.add_argument("--apply", action="store_true",
-                        help="leave the recommended setting on the server (default: restore the original knobs)")
-    parser.add_argument("--report", default=None, help="write the sweep report here (.html, .md, .csv or .json)")
-    parser.add_argument("--format", choices=[*FORMATS, "markdown"], default=None,
-                        help="report format (default: from --report's suffix, else html)")
-
-
-def tune_main(args: argparse.Namespace) -> int:
-    if args.slo is None:
-        print("appliance tune: error: --slo is required, e.g. --slo ttft=500ms,tpot=100ms", file=sys.stderr)
-        return 2
-    try:
-        requests, workload = build_workload(args)
-        fmt = _format_for(args.format, args.report)
-        grid = Grid(**{name: getattr(args, name) for name in TUNED})
-        result = run_sweep(
-            requests, args.slo, base_url=args.base_url, grid=grid, refine=not args.no_refine, apply=args.apply,
-            attainment=args.attainment, rate=args.rate, concurrency=args.concurrency, seed=args.seed,
-            max_duration_s=args.duration, request_timeout_s=args.request_timeout,
-            api_key=args.api_key or os.environ.get(API_KEY_ENV), db_url=_db(args.db), workload=workload,
-            progress=lambda line: print(line, file=sys.stderr, flush=True),
-        )
-    except (ValueError, FileNotFoundError, BenchError) as exc:
-        print(f"appliance tune: error: {exc}", file=sys.stderr)
-        return 2
-    print(render_sweep(result, "md") if args.report is None else "\n".join(summary_lines(result)))
-    if args.report is not None:
-        try:
-            _write(render_sweep(result, fmt), args.report)
-        except FileNotFoundError as exc:
-            print(f"appliance tune: error: {exc}", file=sys.stderr)
-            return 2
-        print(f"wrote the sweep report to {args.report}", file=sys.stderr)
-    return 0 if result.recommendation is not None else 1
-

@@ -17,10 +17,10 @@ import json
 from dataclasses import asdict
 from typing import Any, Callable, Sequence
 
-from appliance.bench import report_html as h
-from appliance.bench import report_tables as tables
-from appliance.bench.analysis import Comparison, compare, findings
-from appliance.bench.report_data import RunData, load_run
+from appliance.bench.report import page as h
+from appliance.bench.report import tables
+from appliance.bench.report.analysis import Comparison, compare, findings
+from appliance.bench.report.data import RunData, load_run
 from appliance.telemetry.store import using_engine
 
 FORMATS = ("html", "md", "csv", "json")

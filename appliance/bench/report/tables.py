@@ -10,8 +10,8 @@ import datetime as dt
 from dataclasses import asdict
 from typing import Any
 
-from appliance.bench.analysis import Comparison, ms, pct
-from appliance.bench.report_data import BUDGET_FULL, KV_PINNED, LATENCIES, RunData
+from appliance.bench.report.analysis import Comparison, ms, pct
+from appliance.bench.report.data import BUDGET_FULL, KV_PINNED, LATENCIES, RunData
 from appliance.bench.runner import describe_arrival
 
 Table = tuple[list[str], list[list[str]]]
