@@ -143,9 +143,9 @@ def comparison_table(comparison: Comparison) -> Table:
         if m.winner is None:
             winner, margin = "-", "-"
         elif m.tie:
-            winner, margin = "tie", pct(m.margin)
+            winner, margin = "tie", m.margin_text
         else:
-            winner, margin = comparison.names[m.winner], pct(m.margin)
+            winner, margin = comparison.names[m.winner], m.margin_text
         rows.append([m.label, *cells, winner, margin])
     return headers, rows
 
