@@ -4,6 +4,7 @@ the same handlers the browser calls, checked against the server's API and teleme
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from pathlib import Path
@@ -357,3 +358,45 @@ def test_handlers_refuse_sessions_without_a_login_even_when_mounted_without_auth
             with pytest.raises(AppError, match="log in"):
                 anonymous.predict(*args, api_name=api_name)
     assert knobs(server)["knobs"]["scheduling_policy"] == "continuous"
+
+
+# ---------------------------------------------------------------------------------- access log
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+def test_the_dashboards_polling_stays_out_of_the_access_log_at_info(server, client):
+    """At INFO the access log keeps an operator's requests and drops the dashboard's refresh
+    (Gradio queue events, its GETs of /admin/*); at DEBUG those show, as DEBUG records."""
+    logger = logging.getLogger("uvicorn.access")
+    capture, level = _Records(), logger.level
+    logger.addHandler(capture)
+    try:
+        logger.setLevel(logging.INFO)
+        client.predict("1m", False, api_name="/live_refresh")
+        dashboard = {"X-Appliance-Source": "dashboard"}
+        httpx.get(f"{server.base_url}/admin/state", headers=dashboard)
+        httpx.get(f"{server.base_url}/admin/knobs", headers=dashboard)
+        httpx.get(f"{server.base_url}/admin/state")  # an operator's request
+        httpx.get(f"{server.base_url}/v1/models")
+        info = [r.getMessage() for r in capture.records]
+        assert sum("GET /admin/state" in line for line in info) == 1  # the operator's, not the dashboard's
+        assert not any("GET /admin/knobs" in line for line in info)
+        assert any("GET /v1/models" in line for line in info)
+        assert not any("/gradio_api/queue/" in line for line in info)  # the live_refresh event
+
+        capture.records.clear()
+        logger.setLevel(logging.DEBUG)
+        httpx.get(f"{server.base_url}/admin/knobs", headers=dashboard)
+        (record,) = [r for r in capture.records if "GET /admin/knobs" in r.getMessage()]
+        assert record.levelno == logging.DEBUG
+    finally:
+        logger.removeHandler(capture)
+        logger.setLevel(level)
