@@ -164,6 +164,29 @@ def test_chat_streams_an_answer(server, page):
     page.screenshot(path=str(ARTIFACTS / "ui-chat.png"), full_page=True)
 
 
+def test_enter_sends_and_shift_enter_adds_a_line(server, page):
+    open_tab(page, "Chat")
+    page.locator("#chat-clear").click()
+    page.wait_for_function("() => !document.querySelector('#chat-history [data-testid=\"user\"]')",
+                           timeout=15_000)
+    page.locator("#chat-max-tokens input[data-testid='number-input']").fill("8")
+    box = page.locator("#chat-input textarea")
+    box.click()
+    box.press_sequentially("first line")
+    box.press("Shift+Enter")
+    box.press_sequentially("second line")
+    assert box.input_value() == "first line\nsecond line"
+    time.sleep(0.5)
+    assert page.locator("#chat-history [data-testid='user']").count() == 0  # Shift+Enter sent nothing
+    box.press("Enter")
+    user = page.locator("#chat-history [data-testid='user']").last
+    user.wait_for(timeout=15_000)
+    assert "first line" in user.text_content() and "second line" in user.text_content()
+    page.wait_for_function("() => document.querySelector('#chat-input textarea').value === ''", timeout=15_000)
+    page.wait_for_function(
+        "() => /stop|length/.test(document.querySelector('#chat-stats')?.textContent || '')", timeout=60_000)
+
+
 def test_stop_ends_a_streaming_reply_and_the_server_aborts_it(server, page):
     aborted_before = aborted_chats(server)
     open_tab(page, "Chat")

@@ -169,6 +169,17 @@ def test_chat_streams_multi_turn_with_reply_figures(server, client):
     assert chat == [] and error == "" and table["data"] == []
 
 
+def test_enter_sends_the_message_and_shift_enter_adds_a_line(server):
+    """The message box is a one-line box that grows (Gradio submits on Enter only there; a
+    textarea adds a line on Shift+Enter) and its submit event is the chat handler."""
+    config = httpx.get(f"{server.ui_url}config").json()
+    (box,) = [c for c in config["components"] if c.get("props", {}).get("elem_id") == "chat-input"]
+    assert box["props"]["lines"] == 1 and box["props"]["max_lines"] > 1
+    assert "Enter sends" in box["props"]["placeholder"]
+    submits = [d for d in config["dependencies"] if [box["id"], "submit"] in d["targets"]]
+    assert [d["api_name"] for d in submits] == ["chat_submit"]
+
+
 def test_chats_from_several_tabs_run_at_once(server):
     clients = [Client(server.ui_url, verbose=False) for _ in range(2)]
     first_token: dict[int, float] = {}

@@ -57,8 +57,10 @@ class ChatTab:
             with gr.Column(scale=3):
                 self.chatbot = gr.Chatbot(label="Conversation", elem_id="chat-history", height=420,
                                           feedback_options=None)
-                self.input = gr.Textbox(label="Message", placeholder="Type a message and press Enter",
-                                        elem_id="chat-input", lines=2)
+                # one line that grows: Gradio submits on Enter only in a one-line box, and a
+                # textarea adds a line on Shift+Enter
+                self.input = gr.Textbox(label="Message", placeholder="Type a message: Enter sends, Shift+Enter adds a line",
+                                        elem_id="chat-input", lines=1, max_lines=8)
                 with gr.Row():
                     self.send = gr.Button("Send", variant="primary", elem_id="chat-send")
                     self.stop = gr.Button("Stop", variant="stop", elem_id="chat-stop")
