@@ -87,6 +87,13 @@ def test_live_charts_render_and_update(server, page):
         page.wait_for_selector(f"#{chart} .main-svg", timeout=30_000)
     title = page.locator("#chart-running .main-svg .gtitle").first.text_content()
     assert title.startswith("Running vs max_num_seqs")
+    overlaps = page.evaluate("""(ids) => ids.filter((id) => {
+        const title = document.querySelector(`#${id} .gtitle`)?.getBoundingClientRect();
+        const legend = document.querySelector(`#${id} .legend`)?.getBoundingClientRect();
+        return title && legend && title.left < legend.right && legend.left < title.right
+            && title.top < legend.bottom && legend.top < title.bottom;
+    })""", list(CHARTS))
+    assert overlaps == []  # no legend sits on its chart's title
     uptime = page.locator("#live-headline [data-stat='uptime'] .value")
     model = page.locator("#live-headline [data-stat='model'] .value").text_content()
     assert model == httpx.get(f"{server.base_url}/admin/state").json()["model"]

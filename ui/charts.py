@@ -16,10 +16,12 @@ from plotly.subplots import make_subplots
 LABELLED = 3  # knob changes per chart that show their label (older ones: the version)
 LABEL_CHARS = 60
 COLORS = ("#2563eb", "#dc2626", "#16a34a", "#9333ea", "#ea580c", "#0891b2", "#ca8a04", "#db2777")
+# The title takes the top line and the legend the line under it, both from the left: side by
+# side they overlapped in half-width charts ("Running vs max_num…" under the legend).
 LAYOUT = dict(
     height=260,
-    margin=dict(l=55, r=20, t=40, b=35),
-    legend=dict(orientation="h", yanchor="bottom", y=1.0, xanchor="right", x=1.0, font=dict(size=10)),
+    margin=dict(l=55, r=20, t=58, b=35),
+    legend=dict(orientation="h", yanchor="bottom", y=1.0, xanchor="left", x=0.0, font=dict(size=10)),
     template={},  # plotly.js's own defaults and the settings here: a small payload
     plot_bgcolor="white",
     paper_bgcolor="white",
@@ -31,9 +33,10 @@ LAYOUT = dict(
 
 
 def layout(title: str, ytitle: str | None = None, xtitle: str | None = None, **extra: Any) -> dict[str, Any]:
-    """LAYOUT with a title at the top left (the legend takes the top right) and axis titles;
+    """LAYOUT with a title on the top line (the legend on the line under it) and axis titles;
     `extra` entries replace LAYOUT's (the axes' are merged)."""
-    out = {**LAYOUT, "title": dict(text=title, x=0.01, xanchor="left", font=dict(size=14))}
+    out = {**LAYOUT, "title": dict(text=title, x=0.01, xanchor="left", y=1.0, yref="container", yanchor="top",
+                                   pad=dict(t=6), font=dict(size=14))}
     out["xaxis"] = {**LAYOUT["xaxis"], **({"title": dict(text=xtitle)} if xtitle else {}), **extra.pop("xaxis", {})}
     out["yaxis"] = {**LAYOUT["yaxis"], **({"title": dict(text=ytitle)} if ytitle else {}), **extra.pop("yaxis", {})}
     return {**out, **extra}

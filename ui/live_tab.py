@@ -193,7 +193,7 @@ def figure_specs(data: LiveData) -> list[dict[str, Any]]:
     most["yaxis"] = "y2"
     figs.append(figure("KV block usage", "% of KV blocks", [pct, most], iterations,
                        yaxis={"range": [0, 100], "rangemode": "normal"},
-                       yaxis2={"title": {"text": f"blocks (of {int(blocks)})"}, "range": [0, blocks or 1],
+                       yaxis2={"title": {"text": f"blocks (of {int(blocks)})" if blocks else "blocks"}, "range": [0, blocks or 1],
                                "overlaying": "y", "side": "right", "showgrid": False, "zeroline": False, "tickmode": "auto"},
                        margin={**charts.LAYOUT["margin"], "r": 60}))
 
