@@ -221,6 +221,21 @@ def test_stop_ends_a_streaming_reply_and_the_server_aborts_it(server, page):
     assert bot.text_content() == stopped  # nothing more streams in
 
 
+def test_the_runs_tab_lists_a_run_started_elsewhere_when_it_opens(server, page):
+    from appliance.telemetry import runs
+
+    open_tab(page, "Live")
+    run_id = runs.create_run(server.db_url, "started from a terminal", "skewed n=1 seed=0",
+                             {"mode": "all-at-once"}, {}, "cli")
+    try:
+        open_tab(page, "Runs")  # no Refresh click
+        page.wait_for_function(
+            "() => document.querySelector('#runs-table')?.textContent.includes('started from a terminal')",
+            timeout=15_000)
+    finally:
+        runs.finish_run(server.db_url, run_id, "failed")
+
+
 def test_small_load_test_finishes_in_the_runs_table_and_exports_a_report(server, page):
     open_tab(page, "Load test")
     page.locator("#loadtest-requests input").fill("4")

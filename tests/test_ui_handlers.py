@@ -302,6 +302,28 @@ def test_ab_runs_both_policies_side_by_side_and_restores_the_policy(server, clie
 # --------------------------------------------------------------------------------------- runs
 
 
+def test_the_runs_list_reloads_when_its_tab_opens_and_when_a_job_ends(server, client):
+    """A run started elsewhere (here: written straight to the store, as `appliance bench` does)
+    is listed as soon as the Runs tab opens; a load test, A/B job or sweep started on the
+    dashboard reloads the list when it ends."""
+    run_id = runs.create_run(server.db_url, "started elsewhere", "skewed n=1 seed=0", {"mode": "all-at-once"},
+                             knobs(server), "cli")
+    try:
+        table, select_update = client.predict(api_name="/runs_opened")
+        (row,) = [r for r in table["data"] if r[-1] == run_id]
+        assert row[1] == "started elsewhere" and row[2] == "running"
+        assert run_id in [c[1] for c in select_update["choices"]]
+    finally:
+        runs.finish_run(server.db_url, run_id, "failed")
+    config = httpx.get(f"{server.ui_url}config").json()
+    by_name = {d["api_name"]: d for d in config["dependencies"]}
+    tab = next(c["id"] for c in config["components"] if c.get("props", {}).get("elem_id") == "tab-runs")
+    assert [tab, "select"] in by_name["runs_opened"]["targets"]
+    runs_table = next(c["id"] for c in config["components"] if c.get("props", {}).get("elem_id") == "runs-table")
+    for job in ("loadtest_start", "loadtest_ab", "tune_run"):
+        assert runs_table in by_name[f"{job}_done"]["outputs"]
+
+
 def test_compare_and_export_stored_runs(server, client):
     ids = [r["id"] for r in runs.list_runs(server.db_url) if r["status"] == "completed"][:2]
     if len(ids) < 2:
