@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .policies import POLICIES
+
 
 def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """Model and engine flags shared by `serve` and `generate` (vLLM's names)."""
@@ -22,7 +24,7 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--long-prefill-token-threshold", type=int, default=None, help="prefill chunk size")
     parser.add_argument("--max-num-partial-prefills", type=int, default=None)
     parser.add_argument("--max-long-partial-prefills", type=int, default=None)
-    parser.add_argument("--scheduling-policy", default=None, choices=["continuous", "static"])
+    parser.add_argument("--scheduling-policy", default=None, choices=POLICIES)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--cpu-kernels", action=argparse.BooleanOptionalAction, default=None,
                         help="C kernels on the CPU (decode attention over the paged cache, the layers' elementwise "

@@ -13,6 +13,8 @@ from typing import Any
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from appliance.bench.report import page as report_page
+
 LABELLED = 3  # knob changes per chart that show their label (older ones: the version)
 LABEL_CHARS = 60
 COLORS = ("#2563eb", "#dc2626", "#16a34a", "#9333ea", "#ea580c", "#0891b2", "#ca8a04", "#db2777")
@@ -122,11 +124,9 @@ def empty_note(fig: go.Figure, text: str = "no data in this window") -> go.Figur
 
 def bar_figure(title: str, yaxis_title: str, categories: Sequence[str],
                series: dict[str, Sequence[float | None]]) -> go.Figure:
-    """Grouped bars: one group per category, one bar per entry of `series` (e.g. per run)."""
-    fig = go.Figure()
-    for i, (name, values) in enumerate(series.items()):
-        fig.add_trace(go.Bar(name=name, x=list(categories), y=list(values),
-                             marker_color=COLORS[i % len(COLORS)]))
+    """Grouped bars: one group per category, one bar per entry of `series` (e.g. per run), in the
+    dashboard's style."""
+    fig = report_page.bar_figure(title, yaxis_title, categories, list(series.items()), COLORS)
     fig.update_layout(layout(title, yaxis_title, barmode="group", height=320, hovermode="closest"))
     if not series:
         empty_note(fig, "pick runs to compare")

@@ -10,6 +10,8 @@ from typing import Any, AsyncIterator
 
 import gradio as gr
 
+from appliance.numeric import to_ms
+
 from ui.api_client import ApiError, ChatStats
 from ui.context import DashboardContext
 
@@ -43,7 +45,7 @@ def build_messages(system: str, history: list[dict[str, Any]], user: str) -> lis
 def stats_row(number: int, stats: ChatStats) -> list[Any]:
     ttft = stats.ttft_s
     rate = stats.tokens_per_s
-    return [number, None if ttft is None else round(ttft * 1000, 1),
+    return [number, to_ms(ttft, 1),
             None if rate is None else round(rate, 1), stats.tokens, stats.finish_reason or ""]
 
 

@@ -30,6 +30,7 @@ from appliance.bench.workloads import (
     sharegpt,
     skewed,
 )
+from appliance.numeric import ms_text
 
 DEFAULT_NUM_REQUESTS = {"skewed": 64, "sharegpt": 64, "long-prompt-burst": 32}
 API_KEY_ENV = "APPLIANCE_API_KEY"
@@ -268,16 +269,12 @@ async def _run(generator: LoadGenerator, workload: str, name: str | None, db: st
 # ---------------------------------------------------------------------------------- printing
 
 
-def _ms(value: float | None) -> str:
-    return "-" if value is None else f"{value * 1000:.1f}"
-
-
 def _latency_rows(summary: Summary) -> list[str]:
     rows = [f"{'latency (ms)':<14}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}{'max':>10}"]
     named: list[tuple[str, Distribution]] = [("TTFT", summary.ttft), ("TPOT", summary.tpot),
                                              ("ITL", summary.itl), ("E2E", summary.e2e)]
     for label, d in named:
-        rows.append(f"{label:<14}" + "".join(f"{_ms(v):>10}" for v in (d.mean, d.p50, d.p90, d.p99, d.max)))
+        rows.append(f"{label:<14}" + "".join(f"{ms_text(v, unit=''):>10}" for v in (d.mean, d.p50, d.p90, d.p99, d.max)))
     return rows
 
 

@@ -12,6 +12,7 @@ from statistics import fmean
 from typing import Any, Sequence
 
 from appliance.bench.report.data import BUDGET_FULL, KV_PINNED, RunData
+from appliance.numeric import ms_text
 
 TAIL_RATIO = 3.0  # P99/P50 above this: the article's sign of a scheduling bottleneck
 MIN_SAMPLES = 4  # fewer latencies than this: no tail finding
@@ -36,10 +37,6 @@ TAIL_CAUSES = {
 class Finding:
     kind: str  # latency_tail | kv_pressure | budget_unused | queue_growth | padding | failures | slo
     text: str
-
-
-def ms(seconds: float | None) -> str:
-    return "-" if seconds is None else f"{seconds * 1000:.1f} ms"
 
 
 def pct(share: float | None) -> str:
@@ -79,7 +76,7 @@ def _tails(data: RunData) -> list[Finding]:
         ratio = p99 / p50
         if ratio > TAIL_RATIO:
             out.append(Finding("latency_tail", (
-                f"{LABELS[metric]} P99 is {ratio:.1f}x its P50 ({ms(p99)} vs {ms(p50)}). Above "
+                f"{LABELS[metric]} P99 is {ratio:.1f}x its P50 ({ms_text(p99)} vs {ms_text(p50)}). Above "
                 f"{TAIL_RATIO:g}x is the sign of a scheduling bottleneck: {TAIL_CAUSES[metric]}.")))
     return out
 
@@ -152,7 +149,7 @@ def _slo(data: RunData) -> list[Finding]:
     if not s.get("slo"):
         return []
     met, done = s.get("slo_met"), s.get("completed")
-    targets = ", ".join(f"{k} <= {ms(v)}" for k, v in s["slo"].items())
+    targets = ", ".join(f"{k} <= {ms_text(v)}" for k, v in s["slo"].items())
     return [Finding("slo", f"{met} of {done} completed requests met the SLO ({targets}); "
                            f"goodput {s.get('goodput') or 0:.2f} requests/s.")]
 
@@ -281,5 +278,5 @@ def _fmt(value: float | None, unit: str) -> str:
     if value is None:
         return "-"
     if unit == "ms":
-        return ms(value)
+        return ms_text(value)
     return f"{value:.2f} {unit}"
