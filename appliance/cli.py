@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .policies import POLICIES
+
 
 def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """Model and engine flags shared by `serve` and `generate` (vLLM's names)."""
@@ -22,7 +24,7 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--long-prefill-token-threshold", type=int, default=None, help="prefill chunk size")
     parser.add_argument("--max-num-partial-prefills", type=int, default=None)
     parser.add_argument("--max-long-partial-prefills", type=int, default=None)
-    parser.add_argument("--scheduling-policy", default=None, choices=["continuous", "static"])
+    parser.add_argument("--scheduling-policy", default=None, choices=POLICIES)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--cpu-kernels", action=argparse.BooleanOptionalAction, default=None,
                         help="C kernels on the CPU (decode attention over the paged cache, the layers' elementwise "
@@ -59,7 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_arguments(sub.add_parser("bench", help="load-test an OpenAI-compatible server"))
 
-    from .bench.report_cli import add_report_arguments, add_tune_arguments
+    from .bench.report.cli import add_report_arguments
+    from .bench.tune_cli import add_tune_arguments
 
     add_report_arguments(sub.add_parser("report", help="write a tuning report for stored runs"))
     add_tune_arguments(sub.add_parser("tune", help="sweep the knobs on a running server"))
@@ -85,11 +88,11 @@ def main(argv: list[str] | None = None) -> int:
 
             return bench_main(args)
         if args.command == "report":
-            from .bench.report_cli import report_main
+            from .bench.report.cli import report_main
 
             return report_main(args)
         if args.command == "tune":
-            from .bench.report_cli import tune_main
+            from .bench.tune_cli import tune_main
 
             return tune_main(args)
     except (ValueError, FileNotFoundError, RuntimeError) as exc:

@@ -47,8 +47,8 @@ from bench_server import patch_knobs, server_process
 
 from appliance.bench.loadgen import LoadGenerator
 from appliance.bench.metrics import percentile
-from appliance.bench.report import render_report
-from appliance.bench.report_data import iteration_totals, wait_for_server_rows
+from appliance.bench.report.runs import render_report
+from appliance.bench.report.data import iteration_totals, wait_for_server_rows
 from appliance.bench.runner import BenchmarkRun, run_benchmark
 from appliance.bench.workloads import BenchRequest, long_prompt_burst
 

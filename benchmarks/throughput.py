@@ -69,12 +69,13 @@ def run_engine(loaded, requests, policy: str, max_num_seqs: int) -> dict:
 @contextlib.contextmanager
 def sdpa_attention(model):
     """Run transformers' own paths with sdpa (the engine registers its paged attention)."""
-    impl = model.config._attn_implementation
-    model.config._attn_implementation = "sdpa"
+    from appliance.engine.paged_attention import ATTN_IMPLEMENTATION
+
+    model.set_attn_implementation("sdpa")
     try:
         yield
     finally:
-        model.config._attn_implementation = impl
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
 
 
 def run_hf_static(loaded, requests, batch_size: int) -> dict:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, fields
 
 import pytest
 
-from appliance.bench import report_data
+from appliance.bench.report import data as report_data
 from appliance.metrics_spec import metric, metrics_of
 from appliance.records import (
     COMPLETED_REASONS,

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from appliance.bench.analysis import compare, findings
-from appliance.bench.report_data import IterationTotals, RunData
+from appliance.bench.report.analysis import compare, findings
+from appliance.bench.report.data import IterationTotals, RunData
 
 QUIET = IterationTotals(iterations=100, busy_s=10.0, scheduled_tokens=20_000, prefill_tokens=15_000,
                         decode_tokens=5_000, padding_tokens=0, preemptions=0, budget_use_mean=0.8,
@@ -96,3 +96,23 @@ def test_comparison_names_the_winner_the_margin_and_the_settings():
     assert c.knob_diff == {"max_num_seqs": [8, 32]}
     assert c.lines[0].startswith("Overall run 2 (fast) won 2 of") and "max_num_seqs=32" in c.lines[0]
     assert "Output throughput: run 2 (fast) wins with 125.00 tok/s, 25% more than run 1 (slow)" in c.lines[1]
+
+
+def test_a_margin_on_near_zero_values_is_a_ratio_not_a_percentage():
+    """0.43 against 0.01 req/s is "43x", never "4200% more"; close wins stay percentages."""
+    from appliance.bench.report.tables import comparison_table
+
+    good = run("good", goodput=0.43, output_throughput=110.0, ttft=dist(0.01, 0.2))
+    poor = run("poor", goodput=0.01, output_throughput=100.0, ttft=dist(0.5, 0.6))
+    c = compare([good, poor])
+    by_key = {m.key: m for m in c.metrics}
+    assert by_key["goodput"].margin_text == "43x" and by_key["ttft.p50"].margin_text == "50x"
+    assert by_key["output_throughput"].margin_text == "10%"
+    goodput = next(line for line in c.lines if line.startswith("Goodput"))
+    assert goodput == "Goodput: run 1 (good) wins with 0.43 req/s vs 0.01 req/s for run 2 (poor) (43x more)."
+    ttft = next(line for line in c.lines if line.startswith("TTFT P50"))
+    assert "10.0 ms vs 500.0 ms" in ttft and "(50x lower)" in ttft
+    _, rows = comparison_table(c)
+    margins = {row[0]: row[-1] for row in rows}
+    assert margins["Goodput"] == "43x" and margins["TTFT P50"] == "50x" and margins["Output throughput"] == "10%"
+    assert not any(len(cell) > 3 and cell.endswith("%") for cell in margins.values())  # never "4200%"

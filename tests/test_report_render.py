@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import func, select
 
-from appliance.bench.report import render_report
+from appliance.bench.report.runs import render_report
 from appliance.cli import main
 from appliance.telemetry import queries, runs
 from appliance.telemetry.models import Iteration

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from appliance.bench.metrics import parse_slo
 from appliance.bench.tune import Grid, SweepPoint, pareto_front, refine_points, run_sweep
-from appliance.bench.tune_report import render_sweep
+from appliance.bench.report.sweep import render_sweep
 from appliance.bench.workloads import BenchRequest, skewed_corpus_ids
 from appliance.cli import main
 from appliance.telemetry import runs

@@ -87,6 +87,13 @@ def test_live_charts_render_and_update(server, page):
         page.wait_for_selector(f"#{chart} .main-svg", timeout=30_000)
     title = page.locator("#chart-running .main-svg .gtitle").first.text_content()
     assert title.startswith("Running vs max_num_seqs")
+    overlaps = page.evaluate("""(ids) => ids.filter((id) => {
+        const title = document.querySelector(`#${id} .gtitle`)?.getBoundingClientRect();
+        const legend = document.querySelector(`#${id} .legend`)?.getBoundingClientRect();
+        return title && legend && title.left < legend.right && legend.left < title.right
+            && title.top < legend.bottom && legend.top < title.bottom;
+    })""", list(CHARTS))
+    assert overlaps == []  # no legend sits on its chart's title
     uptime = page.locator("#live-headline [data-stat='uptime'] .value")
     model = page.locator("#live-headline [data-stat='model'] .value").text_content()
     assert model == httpx.get(f"{server.base_url}/admin/state").json()["model"]
@@ -164,6 +171,29 @@ def test_chat_streams_an_answer(server, page):
     page.screenshot(path=str(ARTIFACTS / "ui-chat.png"), full_page=True)
 
 
+def test_enter_sends_and_shift_enter_adds_a_line(server, page):
+    open_tab(page, "Chat")
+    page.locator("#chat-clear").click()
+    page.wait_for_function("() => !document.querySelector('#chat-history [data-testid=\"user\"]')",
+                           timeout=15_000)
+    page.locator("#chat-max-tokens input[data-testid='number-input']").fill("8")
+    box = page.locator("#chat-input textarea")
+    box.click()
+    box.press_sequentially("first line")
+    box.press("Shift+Enter")
+    box.press_sequentially("second line")
+    assert box.input_value() == "first line\nsecond line"
+    time.sleep(0.5)
+    assert page.locator("#chat-history [data-testid='user']").count() == 0  # Shift+Enter sent nothing
+    box.press("Enter")
+    user = page.locator("#chat-history [data-testid='user']").last
+    user.wait_for(timeout=15_000)
+    assert "first line" in user.text_content() and "second line" in user.text_content()
+    page.wait_for_function("() => document.querySelector('#chat-input textarea').value === ''", timeout=15_000)
+    page.wait_for_function(
+        "() => /stop|length/.test(document.querySelector('#chat-stats')?.textContent || '')", timeout=60_000)
+
+
 def test_stop_ends_a_streaming_reply_and_the_server_aborts_it(server, page):
     aborted_before = aborted_chats(server)
     open_tab(page, "Chat")
@@ -189,6 +219,21 @@ def test_stop_ends_a_streaming_reply_and_the_server_aborts_it(server, page):
     stopped = bot.text_content()
     time.sleep(1.0)
     assert bot.text_content() == stopped  # nothing more streams in
+
+
+def test_the_runs_tab_lists_a_run_started_elsewhere_when_it_opens(server, page):
+    from appliance.telemetry import runs
+
+    open_tab(page, "Live")
+    run_id = runs.create_run(server.db_url, "started from a terminal", "skewed n=1 seed=0",
+                             {"mode": "all-at-once"}, {}, "cli")
+    try:
+        open_tab(page, "Runs")  # no Refresh click
+        page.wait_for_function(
+            "() => document.querySelector('#runs-table')?.textContent.includes('started from a terminal')",
+            timeout=15_000)
+    finally:
+        runs.finish_run(server.db_url, run_id, "failed")
 
 
 def test_small_load_test_finishes_in_the_runs_table_and_exports_a_report(server, page):

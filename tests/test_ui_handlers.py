@@ -4,6 +4,7 @@ the same handlers the browser calls, checked against the server's API and teleme
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from pathlib import Path
@@ -168,6 +169,17 @@ def test_chat_streams_multi_turn_with_reply_figures(server, client):
     assert chat == [] and error == "" and table["data"] == []
 
 
+def test_enter_sends_the_message_and_shift_enter_adds_a_line(server):
+    """The message box is a one-line box that grows (Gradio submits on Enter only there; a
+    textarea adds a line on Shift+Enter) and its submit event is the chat handler."""
+    config = httpx.get(f"{server.ui_url}config").json()
+    (box,) = [c for c in config["components"] if c.get("props", {}).get("elem_id") == "chat-input"]
+    assert box["props"]["lines"] == 1 and box["props"]["max_lines"] > 1
+    assert "Enter sends" in box["props"]["placeholder"]
+    submits = [d for d in config["dependencies"] if [box["id"], "submit"] in d["targets"]]
+    assert [d["api_name"] for d in submits] == ["chat_submit"]
+
+
 def test_chats_from_several_tabs_run_at_once(server):
     clients = [Client(server.ui_url, verbose=False) for _ in range(2)]
     first_token: dict[int, float] = {}
@@ -290,6 +302,28 @@ def test_ab_runs_both_policies_side_by_side_and_restores_the_policy(server, clie
 # --------------------------------------------------------------------------------------- runs
 
 
+def test_the_runs_list_reloads_when_its_tab_opens_and_when_a_job_ends(server, client):
+    """A run started elsewhere (here: written straight to the store, as `appliance bench` does)
+    is listed as soon as the Runs tab opens; a load test, A/B job or sweep started on the
+    dashboard reloads the list when it ends."""
+    run_id = runs.create_run(server.db_url, "started elsewhere", "skewed n=1 seed=0", {"mode": "all-at-once"},
+                             knobs(server), "cli")
+    try:
+        table, select_update = client.predict(api_name="/runs_opened")
+        (row,) = [r for r in table["data"] if r[-1] == run_id]
+        assert row[1] == "started elsewhere" and row[2] == "running"
+        assert run_id in [c[1] for c in select_update["choices"]]
+    finally:
+        runs.finish_run(server.db_url, run_id, "failed")
+    config = httpx.get(f"{server.ui_url}config").json()
+    by_name = {d["api_name"]: d for d in config["dependencies"]}
+    tab = next(c["id"] for c in config["components"] if c.get("props", {}).get("elem_id") == "tab-runs")
+    assert [tab, "select"] in by_name["runs_opened"]["targets"]
+    runs_table = next(c["id"] for c in config["components"] if c.get("props", {}).get("elem_id") == "runs-table")
+    for job in ("loadtest_start", "loadtest_ab", "tune_run"):
+        assert runs_table in by_name[f"{job}_done"]["outputs"]
+
+
 def test_compare_and_export_stored_runs(server, client):
     ids = [r["id"] for r in runs.list_runs(server.db_url) if r["status"] == "completed"][:2]
     if len(ids) < 2:
@@ -357,3 +391,45 @@ def test_handlers_refuse_sessions_without_a_login_even_when_mounted_without_auth
             with pytest.raises(AppError, match="log in"):
                 anonymous.predict(*args, api_name=api_name)
     assert knobs(server)["knobs"]["scheduling_policy"] == "continuous"
+
+
+# ---------------------------------------------------------------------------------- access log
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+def test_the_dashboards_polling_stays_out_of_the_access_log_at_info(server, client):
+    """At INFO the access log keeps an operator's requests and drops the dashboard's refresh
+    (Gradio queue events, its GETs of /admin/*); at DEBUG those show, as DEBUG records."""
+    logger = logging.getLogger("uvicorn.access")
+    capture, level = _Records(), logger.level
+    logger.addHandler(capture)
+    try:
+        logger.setLevel(logging.INFO)
+        client.predict("1m", False, api_name="/live_refresh")
+        dashboard = {"X-Appliance-Source": "dashboard"}
+        httpx.get(f"{server.base_url}/admin/state", headers=dashboard)
+        httpx.get(f"{server.base_url}/admin/knobs", headers=dashboard)
+        httpx.get(f"{server.base_url}/admin/state")  # an operator's request
+        httpx.get(f"{server.base_url}/v1/models")
+        info = [r.getMessage() for r in capture.records]
+        assert sum("GET /admin/state" in line for line in info) == 1  # the operator's, not the dashboard's
+        assert not any("GET /admin/knobs" in line for line in info)
+        assert any("GET /v1/models" in line for line in info)
+        assert not any("/gradio_api/queue/" in line for line in info)  # the live_refresh event
+
+        capture.records.clear()
+        logger.setLevel(logging.DEBUG)
+        httpx.get(f"{server.base_url}/admin/knobs", headers=dashboard)
+        (record,) = [r for r in capture.records if "GET /admin/knobs" in r.getMessage()]
+        assert record.levelno == logging.DEBUG
+    finally:
+        logger.removeHandler(capture)
+        logger.setLevel(level)

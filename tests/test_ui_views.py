@@ -195,6 +195,28 @@ def test_live_figures_show_the_stored_series_and_the_knob_change(filled_store):
     engine.dispose()
 
 
+def test_the_kv_chart_names_its_block_count_and_an_empty_window_no_count(filled_store):
+    url, now, _ = filled_store
+    engine = store.make_engine(url)
+    for at, axis in ((now, "blocks (of 512)"), (now - 86_400, "blocks")):  # a day earlier: nothing stored
+        data = live_tab.fetch(engine, live_tab.resolve_window(engine, "1m", now=at), "1m")
+        kv = live_tab.figure_specs(data)[live_tab.CHART_IDS.index("chart-kv")]
+        assert kv["layout"]["yaxis2"]["title"]["text"] == axis
+    engine.dispose()
+
+
+def test_chart_titles_and_legends_take_separate_lines():
+    """The title sits in the top margin above the plot area and the legend on the plot area's top
+    edge, below the title's line: they cannot overlap whatever the chart's width."""
+    layout = charts.layout("Running vs max_num_seqs — 1 min", "sequences")
+    title, legend, top = layout["title"], layout["legend"], layout["margin"]["t"]
+    assert title["yref"] == "container" and title["y"] == 1.0 and title["yanchor"] == "top"
+    assert legend["y"] == 1.0 and legend["yanchor"] == "bottom"  # just above the plot area
+    title_bottom = title["pad"]["t"] + 1.5 * title["font"]["size"]  # px from the top, generous line height
+    legend_top = top - 1.5 * legend["font"]["size"] - 4  # one row of legend above the plot area
+    assert title_bottom <= legend_top
+
+
 def test_headline_and_run_window(filled_store):
     url, now, _ = filled_store
     engine = store.make_engine(url)

@@ -15,6 +15,8 @@ from typing import Any
 
 import httpx
 
+from appliance.bench.loadgen import iter_sse_data
+
 SOURCE_HEADER = "X-Appliance-Source"
 ADMIN_TIMEOUT_S = 10.0
 # Chat replies stream for as long as generation takes; only connecting and each gap are bounded.
@@ -177,11 +179,8 @@ class ApplianceAPI:
                     if response.status_code != 200:
                         await response.aread()
                         _raise_for(response)
-                    async for line in response.aiter_lines():
-                        if not line.startswith("data:"):
-                            continue
-                        data = line[5:].strip()
-                        if data == "[DONE]":
+                    async for data in iter_sse_data(response.aiter_lines()):
+                        if data.strip() == "[DONE]":
                             break
                         text = _take_chat_event(data, stats)
                         if text:

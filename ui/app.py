@@ -14,6 +14,7 @@ name, the key as password) and calls the API with the key on the server side onl
 from __future__ import annotations
 
 import hmac
+import logging
 import os
 from pathlib import Path
 from typing import Callable
@@ -29,6 +30,8 @@ from ui.live_tab import LiveTab
 from ui.loadtest_tab import LoadTests, LoadTestTab, generator_factory
 from ui.runs_tab import RunsTab
 from ui.tune_panel import Sweeps, TunePanel
+
+log = logging.getLogger(__name__)
 
 TITLE = "Appliance dashboard"
 LOGIN_MESSAGE = "This appliance runs with an API key: log in with any user name and the key as password."
@@ -82,6 +85,10 @@ def build_dashboard(
         live_page.select(lambda: gr.Timer(active=True), None, live.timer, api_name="live_shown")
         for name, page in (("chat", chat_page), ("loadtest", loadtest_page), ("runs", runs_page)):
             page.select(lambda: gr.Timer(active=False), None, live.timer, api_name=f"{name}_shown")
+        # the runs list is read again whenever its tab opens (a run started meanwhile, from here or
+        # elsewhere, shows at once) and whenever a load test or sweep started here ends (after_job)
+        runs_page.select(runs_tab.refresh, None, runs_tab.refresh_outputs, api_name="runs_opened",
+                         show_progress="hidden")
 
         def after_job(request: gr.Request) -> list:
             return [*runs_tab.refresh(request), live.choices()]
@@ -106,11 +113,18 @@ PROGRESS_POLL_S = 0.1
 
 
 def quiet_queue(blocks: gr.Blocks) -> None:
-    """Slow down the idle polling of `blocks`' Gradio queue (where this Gradio version has it)."""
+    """Slow down the idle polling of `blocks`' Gradio queue.
+
+    Gradio has no public setting for it: this sets attributes of its private `Blocks._queue`
+    (pyproject.toml pins the Gradio range tested; tests/test_library_internals.py fails, naming
+    the version, when they move). A Gradio without them only logs a warning."""
     queue = getattr(blocks, "_queue", None)
     for name, seconds in (("sleep_when_free", QUEUE_POLL_S), ("progress_update_sleep_when_free", PROGRESS_POLL_S)):
         if isinstance(getattr(queue, name, None), (int, float)):
             setattr(queue, name, max(getattr(queue, name), seconds))
+        else:
+            log.warning("gradio %s has no Blocks._queue.%s: its idle polling stays at Gradio's default",
+                        gr.__version__, name)
 
 
 def mount_dashboard(app, base_url: str, db_url: str, api_key: str | None = None,

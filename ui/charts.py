@@ -13,13 +13,17 @@ from typing import Any
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from appliance.bench.report import page as report_page
+
 LABELLED = 3  # knob changes per chart that show their label (older ones: the version)
 LABEL_CHARS = 60
 COLORS = ("#2563eb", "#dc2626", "#16a34a", "#9333ea", "#ea580c", "#0891b2", "#ca8a04", "#db2777")
+# The title takes the top line and the legend the line under it, both from the left: side by
+# side they overlapped in half-width charts ("Running vs max_num…" under the legend).
 LAYOUT = dict(
     height=260,
-    margin=dict(l=55, r=20, t=40, b=35),
-    legend=dict(orientation="h", yanchor="bottom", y=1.0, xanchor="right", x=1.0, font=dict(size=10)),
+    margin=dict(l=55, r=20, t=58, b=35),
+    legend=dict(orientation="h", yanchor="bottom", y=1.0, xanchor="left", x=0.0, font=dict(size=10)),
     template={},  # plotly.js's own defaults and the settings here: a small payload
     plot_bgcolor="white",
     paper_bgcolor="white",
@@ -31,9 +35,10 @@ LAYOUT = dict(
 
 
 def layout(title: str, ytitle: str | None = None, xtitle: str | None = None, **extra: Any) -> dict[str, Any]:
-    """LAYOUT with a title at the top left (the legend takes the top right) and axis titles;
+    """LAYOUT with a title on the top line (the legend on the line under it) and axis titles;
     `extra` entries replace LAYOUT's (the axes' are merged)."""
-    out = {**LAYOUT, "title": dict(text=title, x=0.01, xanchor="left", font=dict(size=14))}
+    out = {**LAYOUT, "title": dict(text=title, x=0.01, xanchor="left", y=1.0, yref="container", yanchor="top",
+                                   pad=dict(t=6), font=dict(size=14))}
     out["xaxis"] = {**LAYOUT["xaxis"], **({"title": dict(text=xtitle)} if xtitle else {}), **extra.pop("xaxis", {})}
     out["yaxis"] = {**LAYOUT["yaxis"], **({"title": dict(text=ytitle)} if ytitle else {}), **extra.pop("yaxis", {})}
     return {**out, **extra}
@@ -119,11 +124,9 @@ def empty_note(fig: go.Figure, text: str = "no data in this window") -> go.Figur
 
 def bar_figure(title: str, yaxis_title: str, categories: Sequence[str],
                series: dict[str, Sequence[float | None]]) -> go.Figure:
-    """Grouped bars: one group per category, one bar per entry of `series` (e.g. per run)."""
-    fig = go.Figure()
-    for i, (name, values) in enumerate(series.items()):
-        fig.add_trace(go.Bar(name=name, x=list(categories), y=list(values),
-                             marker_color=COLORS[i % len(COLORS)]))
+    """Grouped bars: one group per category, one bar per entry of `series` (e.g. per run), in the
+    dashboard's style."""
+    fig = report_page.bar_figure(title, yaxis_title, categories, list(series.items()), COLORS)
     fig.update_layout(layout(title, yaxis_title, barmode="group", height=320, hovermode="closest"))
     if not series:
         empty_note(fig, "pick runs to compare")

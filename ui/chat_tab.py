@@ -10,6 +10,8 @@ from typing import Any, AsyncIterator
 
 import gradio as gr
 
+from appliance.numeric import to_ms
+
 from ui.api_client import ApiError, ChatStats
 from ui.context import DashboardContext
 
@@ -43,7 +45,7 @@ def build_messages(system: str, history: list[dict[str, Any]], user: str) -> lis
 def stats_row(number: int, stats: ChatStats) -> list[Any]:
     ttft = stats.ttft_s
     rate = stats.tokens_per_s
-    return [number, None if ttft is None else round(ttft * 1000, 1),
+    return [number, to_ms(ttft, 1),
             None if rate is None else round(rate, 1), stats.tokens, stats.finish_reason or ""]
 
 
@@ -57,8 +59,10 @@ class ChatTab:
             with gr.Column(scale=3):
                 self.chatbot = gr.Chatbot(label="Conversation", elem_id="chat-history", height=420,
                                           feedback_options=None)
-                self.input = gr.Textbox(label="Message", placeholder="Type a message and press Enter",
-                                        elem_id="chat-input", lines=2)
+                # one line that grows: Gradio submits on Enter only in a one-line box, and a
+                # textarea adds a line on Shift+Enter
+                self.input = gr.Textbox(label="Message", placeholder="Type a message: Enter sends, Shift+Enter adds a line",
+                                        elem_id="chat-input", lines=1, max_lines=8)
                 with gr.Row():
                     self.send = gr.Button("Send", variant="primary", elem_id="chat-send")
                     self.stop = gr.Button("Stop", variant="stop", elem_id="chat-stop")

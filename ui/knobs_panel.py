@@ -14,6 +14,7 @@ from typing import Any
 
 import gradio as gr
 
+from appliance.policies import POLICIES
 from ui.api_client import ApiError
 from ui.context import DashboardContext
 
@@ -26,7 +27,6 @@ KNOB_NAMES = (
     "max_long_partial_prefills",
     "scheduling_policy",
 )
-POLICIES = ("continuous", "static")
 PRESETS = ("latency", "throughput")
 FIXED_ORDER = ("model", "device", "dtype", "block_size", "num_blocks", "max_model_len")
 

@@ -9,23 +9,43 @@ calls `Plotly.react` on the same element whenever the value changes (a chart in 
 page draws its newest value when it shows again). It takes and sends gr.Plot's payload,
 {"type": "plotly", "plot": "<figure JSON>"}, so API clients see the same shape as before.
 
-plotly.js comes from the plotly Python package (package_data/plotly.min.js, served by Gradio's
-file route after login, like any allowed file): no CDN. The script keeps its own reference to
-that copy, since Gradio's bundled copy (used by gr.Plot elsewhere on the page) sets
-window.Plotly too when it loads.
+plotly.js comes from the plotly Python package (`plotly.offline.get_plotlyjs()`, written once per
+process to a private temporary file that Gradio's file route serves after login, like any
+allowed file): no CDN. The script keeps its own reference to that copy, since Gradio's bundled
+copy (used by gr.Plot elsewhere on the page) sets window.Plotly too when it loads.
 """
 
 from __future__ import annotations
 
+import atexit
+import functools
 import json
+import shutil
+import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import gradio as gr
-import plotly
-from gradio.components.plot import PlotData
+from plotly.offline import get_plotlyjs
 
-PLOTLY_JS = Path(plotly.__file__).resolve().parent / "package_data" / "plotly.min.js"
+
+@functools.cache
+def plotly_js_file() -> Path:
+    """plotly.js as a file of its own (in a directory only this user can read, removed at exit)."""
+    folder = Path(tempfile.mkdtemp(prefix="appliance-plotly-"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    path = folder / "plotly.min.js"
+    path.write_text(get_plotlyjs(), encoding="utf-8")
+    return path
+
+
+@dataclass(frozen=True)
+class PlotPayload:
+    """gr.Plot's payload shape: the figure as plotly JSON (serialised once) in `plot`."""
+
+    plot: str
+    type: str = "plotly"
 
 # Runs once per chart element when it mounts (Gradio passes element, props and watch).
 # Draws the payload with Plotly.react on the same element. A chart without width (in a hidden tab)
@@ -62,28 +82,29 @@ document.addEventListener('visibilitychange', draw);
 
 
 def plot_payload(value: Any) -> dict[str, str] | None:
-    """gr.Plot's payload for a PlotData, a plotly JSON dict or an already built payload."""
+    """gr.Plot's payload for a PlotPayload, a plotly JSON dict or an already built payload."""
     if value is None:
         return None
-    if isinstance(value, PlotData):
+    if isinstance(value, PlotPayload):
         return {"type": value.type, "plot": value.plot}
     if isinstance(value, dict) and "plot" in value:
         return {"type": value.get("type", "plotly"), "plot": value["plot"]}
     if isinstance(value, dict):
         return {"type": "plotly", "plot": json.dumps(value, separators=(",", ":"))}
-    raise TypeError(f"LivePlot takes PlotData or a plotly figure dict, not {type(value).__name__}")
+    raise TypeError(f"LivePlot takes a PlotPayload or a plotly figure dict, not {type(value).__name__}")
 
 
 class LivePlot(gr.HTML):
     """A chart for values that change every second (see the module docstring)."""
 
     def __init__(self, elem_id: str, height: int = 260, **kwargs: Any):
-        gr.set_static_paths([PLOTLY_JS])  # only this file; Gradio's file route still asks for the login
+        plotly_js = plotly_js_file()
+        gr.set_static_paths([plotly_js])  # only this file; Gradio's file route still asks for the login
         super().__init__(
             value=None,
             html_template=f'<div class="live-plot" style="width:100%;height:{height}px;contain:layout paint"></div>',
             js_on_load=JS_ON_LOAD,
-            head=f'<script src="gradio_api/file={PLOTLY_JS.as_posix()}"></script>',
+            head=f'<script src="gradio_api/file={plotly_js.as_posix()}"></script>',
             elem_id=elem_id,
             apply_default_css=False,
             container=True,

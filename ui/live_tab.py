@@ -24,7 +24,6 @@ from typing import Any
 
 import gradio as gr
 import plotly.graph_objects as go
-from gradio.components.plot import PlotData
 from sqlalchemy.exc import SQLAlchemyError
 
 from appliance.telemetry import queries, runs
@@ -33,7 +32,7 @@ from ui import charts
 from ui.api_client import ApiError
 from ui.context import DashboardContext
 from ui.knobs_panel import effective_markdown
-from ui.live_plot import LivePlot
+from ui.live_plot import LivePlot, PlotPayload
 
 REFRESH_S = 1.0
 IDLE_REFRESH_S = 4.0  # the slowest a session's refresh gets while nothing changes
@@ -214,7 +213,7 @@ def figure_specs(data: LiveData) -> list[dict[str, Any]]:
     most["yaxis"] = "y2"
     figs.append(figure("KV block usage", "% of KV blocks", [pct, most], iterations,
                        yaxis={"range": [0, 100], "rangemode": "normal"},
-                       yaxis2={"title": {"text": f"blocks (of {int(blocks)})"}, "range": [0, blocks or 1],
+                       yaxis2={"title": {"text": f"blocks (of {int(blocks)})" if blocks else "blocks"}, "range": [0, blocks or 1],
                                "overlaying": "y", "side": "right", "showgrid": False, "zeroline": False, "tickmode": "auto"},
                        margin={**charts.LAYOUT["margin"], "r": 60}))
 
@@ -253,9 +252,9 @@ def build_figures(data: LiveData) -> list[go.Figure]:
     return [go.Figure(spec) for spec in figure_specs(data)]
 
 
-def plot_data(spec: dict[str, Any]) -> PlotData:
-    """A figure as gr.Plot's payload, serialised once (gr.Plot passes PlotData through)."""
-    return PlotData(type="plotly", plot=json.dumps(spec, separators=(",", ":"), allow_nan=False))
+def plot_data(spec: dict[str, Any]) -> PlotPayload:
+    """A figure as gr.Plot's payload, serialised once."""
+    return PlotPayload(json.dumps(spec, separators=(",", ":"), allow_nan=False))
 
 
 # ---------------------------------------------------------------------------------- headline
@@ -303,7 +302,7 @@ class Snapshot:
     """The Live tab's outputs for one window choice at one tick, shared by every session."""
 
     headline: str
-    plots: tuple[PlotData | None, ...]  # None where the store was unavailable (the charts keep theirs)
+    plots: tuple[PlotPayload | None, ...]  # None where the store was unavailable (the charts keep theirs)
     effective: str | None  # None: the knobs could not be read
     activity: tuple[Any, ...]  # changes whenever new telemetry or engine state arrived
 

@@ -20,12 +20,13 @@ from typing import Any, Callable, Iterator, Protocol
 import gradio as gr
 import plotly.graph_objects as go
 
-from appliance.bench.ab import POLICIES as AB_POLICIES
 from appliance.bench.ab import ABResult, format_ab, run_ab
 from appliance.bench.cli import build_workload
 from appliance.bench.loadgen import BenchError, LoadGenerator, Progress
 from appliance.bench.runner import BenchmarkRun, run_benchmark
 from appliance.bench.workloads import BenchRequest
+from appliance.numeric import to_ms
+from appliance.policies import POLICIES
 from ui import charts
 from ui.context import DashboardContext
 
@@ -140,7 +141,7 @@ class LoadTests:
             self.current = job
 
     def start(self, spec: LoadSpec, ab: bool) -> Job:
-        job = Job([Leg(p) for p in AB_POLICIES] if ab else [Leg("run")])
+        job = Job([Leg(p) for p in POLICIES] if ab else [Leg("run")])
         self.claim(job)
         threading.Thread(target=self._run, args=(job, spec), name="dashboard-loadtest", daemon=True).start()
         return job
@@ -235,10 +236,6 @@ def progress_html(job: Job) -> str:
     return "".join(parts)
 
 
-def _ms(value: float | None) -> float | None:
-    return None if value is None else round(value * 1000, 1)
-
-
 def result_rows(job: Job) -> list[list[Any]]:
     rows = []
     for leg in job.legs:
@@ -246,8 +243,8 @@ def result_rows(job: Job) -> list[list[Any]]:
             continue
         s = leg.run.load.summary
         rows.append([leg.label, leg.run.status, s.completed, s.failed, round(s.output_throughput, 1),
-                     round(s.request_throughput, 2), _ms(s.ttft.p50), _ms(s.ttft.p99), _ms(s.itl.p50),
-                     _ms(s.itl.p99), None if s.e2e.p99 is None else round(s.e2e.p99, 2), leg.run.run_id])
+                     round(s.request_throughput, 2), to_ms(s.ttft.p50, 1), to_ms(s.ttft.p99, 1), to_ms(s.itl.p50, 1),
+                     to_ms(s.itl.p99, 1), None if s.e2e.p99 is None else round(s.e2e.p99, 2), leg.run.run_id])
     return rows
 
 
@@ -259,7 +256,7 @@ def result_figure(job: Job) -> go.Figure:
         if leg.run is not None:
             s = leg.run.load.summary
             throughput[leg.label] = round(s.output_throughput, 1)
-            latency[leg.label] = [_ms(s.ttft.p50), _ms(s.ttft.p99), _ms(s.itl.p50), _ms(s.itl.p99)]
+            latency[leg.label] = [to_ms(s.ttft.p50, 1), to_ms(s.ttft.p99, 1), to_ms(s.itl.p50, 1), to_ms(s.itl.p99, 1)]
     title = "A/B: continuous vs static" if job.is_ab else "Load test result"
     return charts.side_by_side_figure(title, throughput, latency, labels)
 

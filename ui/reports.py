@@ -1,4 +1,4 @@
-"""Tuning-report export: appliance.bench.report.render_report written to a temporary file that
+"""Tuning-report export: appliance.bench.report.runs.render_report written to a temporary file that
 Gradio offers as a download."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from appliance.bench.report import render_report
+from appliance.bench.report.runs import render_report
 
 FORMATS = {"HTML": ("html", ".html"), "Markdown": ("md", ".md"), "CSV": ("csv", ".csv")}
 

@@ -51,34 +51,21 @@ def run_figures(db: Any, run: dict[str, Any]) -> dict[str, Any]:
     stored = (run.get("summary") or {}).get("summary")
     if isinstance(stored, dict):
         dist = {k: stored.get(k) or {} for k in ("ttft", "itl", "e2e")}
-        return {
-            "completed": stored.get("completed"),
-            "failed": stored.get("failed"),
-            "output_tok_s": _scaled(stored.get("output_throughput"), 1, 1),
-            "req_s": _scaled(stored.get("request_throughput"), 1, 2),
-            "ttft_p50_ms": _scaled(dist["ttft"].get("p50"), 1000, 1),
-            "ttft_p90_ms": _scaled(dist["ttft"].get("p90"), 1000, 1),
-            "ttft_p99_ms": _scaled(dist["ttft"].get("p99"), 1000, 1),
-            "itl_p50_ms": _scaled(dist["itl"].get("p50"), 1000, 1),
-            "itl_p90_ms": _scaled(dist["itl"].get("p90"), 1000, 1),
-            "itl_p99_ms": _scaled(dist["itl"].get("p99"), 1000, 1),
-            "e2e_p50_s": _scaled(dist["e2e"].get("p50"), 1, 2),
-            "e2e_p99_s": _scaled(dist["e2e"].get("p99"), 1, 2),
-        }
-    server = queries.run_summary(db, run["id"])
-    dist = {k: server.get(f"{k}_s") or {} for k in ("ttft", "itl", "e2e")}
-    reasons = server.get("finish_reasons", {})
+        counts = {"completed": stored.get("completed"), "failed": stored.get("failed")}
+        rates = (stored.get("output_throughput"), stored.get("request_throughput"))
+    else:
+        server = queries.run_summary(db, run["id"])
+        dist = {k: server.get(f"{k}_s") or {} for k in ("ttft", "itl", "e2e")}
+        reasons = server.get("finish_reasons", {})
+        counts = {"completed": reasons.get("stop", 0) + reasons.get("length", 0),
+                  "failed": reasons.get("abort", 0) + reasons.get("error", 0)}
+        rates = (server.get("output_tokens_per_s"), server.get("requests_per_s"))
     return {
-        "completed": sum(reasons.get(r, 0) for r in COMPLETED_REASONS),
-        "failed": sum(reasons.get(r, 0) for r in FAILED_REASONS),
-        "output_tok_s": _scaled(server.get("output_tokens_per_s"), 1, 1),
-        "req_s": _scaled(server.get("requests_per_s"), 1, 2),
-        "ttft_p50_ms": _scaled(dist["ttft"].get("p50"), 1000, 1),
-        "ttft_p90_ms": _scaled(dist["ttft"].get("p90"), 1000, 1),
-        "ttft_p99_ms": _scaled(dist["ttft"].get("p99"), 1000, 1),
-        "itl_p50_ms": _scaled(dist["itl"].get("p50"), 1000, 1),
-        "itl_p90_ms": _scaled(dist["itl"].get("p90"), 1000, 1),
-        "itl_p99_ms": _scaled(dist["itl"].get("p99"), 1000, 1),
+        **counts,
+        "output_tok_s": _scaled(rates[0], 1, 1),
+        "req_s": _scaled(rates[1], 1, 2),
+        **{f"{metric}_{p}_ms": _scaled(dist[metric].get(p), 1000, 1)
+           for metric in ("ttft", "itl") for p in ("p50", "p90", "p99")},
         "e2e_p50_s": _scaled(dist["e2e"].get("p50"), 1, 2),
         "e2e_p99_s": _scaled(dist["e2e"].get("p99"), 1, 2),
     }

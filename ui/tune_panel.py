@@ -32,7 +32,8 @@ from appliance.bench.tune import (
     pareto_front,
     run_sweep,
 )
-from appliance.bench.tune_report import pareto_figure, render_sweep, summary_lines
+from appliance.bench.report.sweep import pareto_figure, render_sweep, summary_lines
+from appliance.numeric import to_ms
 from ui.context import DashboardContext
 from ui.loadtest_tab import LoadSpec, LoadTests, build_spec, run_to_end
 
@@ -158,10 +159,6 @@ class Sweeps:
 # --------------------------------------------------------------------------------------- views
 
 
-def _ms(seconds: float | None) -> float | None:
-    return None if seconds is None else round(seconds * 1000, 1)
-
-
 def partial_result(job: SweepJob) -> SweepResult:
     """The sweep's result when it has ended, else one built from the points measured so far."""
     if job.result is not None:
@@ -183,7 +180,7 @@ def point_rows(result: SweepResult) -> list[list[Any]]:
         rows.append([i + 1, p.stage, *[p.knobs[k] for k in TUNED],
                      p.status if p.reason is None else f"{p.status}: {p.reason}",
                      None if p.output_throughput is None else round(p.output_throughput, 1),
-                     _ms(p.ttft_p99), _ms(p.itl_p99), None if p.goodput is None else round(p.goodput, 3),
+                     to_ms(p.ttft_p99, 1), to_ms(p.itl_p99, 1), None if p.goodput is None else round(p.goodput, 3),
                      "-" if p.attainment is None else f"{p.attainment:.0%}", met,
                      ", ".join(fronts) or "-", p.run_id or "-"])
     return rows
@@ -227,7 +224,7 @@ def recommendation_text(result: SweepResult | None) -> str:
 
 
 def write_report(result: SweepResult, fmt: str) -> Path:
-    """The sweep report (appliance.bench.tune_report) in `fmt` (a key of REPORT_FORMATS), written
+    """The sweep report (appliance.bench.report.sweep) in `fmt` (a key of REPORT_FORMATS), written
     to a fresh temporary file for download."""
     if fmt not in REPORT_FORMATS:
         raise ValueError(f"unknown report format {fmt!r}; choose from {', '.join(REPORT_FORMATS)}")

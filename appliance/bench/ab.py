@@ -15,12 +15,13 @@ from typing import Any, Callable
 
 import httpx
 
-from appliance.bench.analysis import metric_value
 from appliance.bench.loadgen import BenchError, LoadGenerator, fetch_knobs
-from appliance.bench.report_data import IterationTotals, iteration_totals, wait_for_server_rows
+from appliance.bench.report.analysis import metric_value
+from appliance.bench.report.data import IterationTotals, iteration_totals, wait_for_server_rows
 from appliance.bench.runner import BenchmarkRun, run_benchmark
+from appliance.numeric import ms_text
+from appliance.policies import POLICIES
 
-POLICIES = ("continuous", "static")
 TELEMETRY_TIMEOUT_S = 15.0
 
 
@@ -148,7 +149,7 @@ ROWS: tuple[tuple[str, str, str], ...] = (
 def _cell(value: float | None, unit: str) -> str:
     if value is None:
         return "-"
-    return f"{value * 1000:.1f}" if unit == "ms" else f"{value:.2f}"
+    return ms_text(value, 1, "") if unit == "ms" else f"{value:.2f}"
 
 
 def format_ab(result: ABResult) -> str:

@@ -30,6 +30,7 @@ from appliance.bench.workloads import (
     sharegpt,
     skewed,
 )
+from appliance.numeric import ms_text
 
 DEFAULT_NUM_REQUESTS = {"skewed": 64, "sharegpt": 64, "long-prompt-burst": 32}
 API_KEY_ENV = "APPLIANCE_API_KEY"
@@ -181,7 +182,7 @@ def bench_main(args: argparse.Namespace) -> int:
     progress = ConsoleProgress()
     generator.progress = progress
     try:
-        run = asyncio.run(_run(generator, workload, args.name, args.db or _default_db()))
+        run = asyncio.run(_run(generator, workload, args.name, db_url(args.db)))
     except BenchError as exc:
         print(f"appliance bench: error: {exc}", file=sys.stderr)
         return 2
@@ -226,7 +227,7 @@ def _ab_main(args: argparse.Namespace, requests: list[BenchRequest], workload: s
 
     try:
         result = asyncio.run(run_ab(factory, workload=workload, name=args.name,
-                                    db_url=args.db or _default_db()))
+                                    db_url=db_url(args.db)))
     except BenchError as exc:
         print(f"appliance bench: error: {exc}", file=sys.stderr)
         return 2
@@ -243,10 +244,11 @@ def _ab_main(args: argparse.Namespace, requests: list[BenchRequest], workload: s
     return 0 if clean else 1
 
 
-def _default_db() -> str:
+def db_url(url: str | None) -> str:
+    """`--db`, else the default telemetry store."""
     from appliance.telemetry.store import DEFAULT_URL
 
-    return DEFAULT_URL
+    return url or DEFAULT_URL
 
 
 async def _run(generator: LoadGenerator, workload: str, name: str | None, db: str) -> BenchmarkRun:
@@ -267,16 +269,12 @@ async def _run(generator: LoadGenerator, workload: str, name: str | None, db: st
 # ---------------------------------------------------------------------------------- printing
 
 
-def _ms(value: float | None) -> str:
-    return "-" if value is None else f"{value * 1000:.1f}"
-
-
 def _latency_rows(summary: Summary) -> list[str]:
     rows = [f"{'latency (ms)':<14}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}{'max':>10}"]
     named: list[tuple[str, Distribution]] = [("TTFT", summary.ttft), ("TPOT", summary.tpot),
                                              ("ITL", summary.itl), ("E2E", summary.e2e)]
     for label, d in named:
-        rows.append(f"{label:<14}" + "".join(f"{_ms(v):>10}" for v in (d.mean, d.p50, d.p90, d.p99, d.max)))
+        rows.append(f"{label:<14}" + "".join(f"{ms_text(v, unit=''):>10}" for v in (d.mean, d.p50, d.p90, d.p99, d.max)))
     return rows
 
 

@@ -9,31 +9,14 @@ Pure functions over plain records, in seconds throughout. Definitions (as vLLM's
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Sequence
 
+from appliance.numeric import percentile
+
 PERCENTILES = (50, 90, 99)
 SLO_METRICS = ("ttft", "tpot", "e2e")
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """The q-th percentile (0..100) with linear interpolation, as numpy's default method.
-
-    Sort the values; the percentile sits at fractional rank r = (n - 1) * q / 100 and is
-    v[floor(r)] + (v[ceil(r)] - v[floor(r)]) * (r - floor(r)). E.g. [1, 2, 3, 4] at q=50 gives
-    rank 1.5, so 2 + (3 - 2) * 0.5 = 2.5.
-    """
-    if not values:
-        raise ValueError("percentile of an empty list")
-    if not 0 <= q <= 100:
-        raise ValueError(f"percentile q must be within 0..100, got {q}")
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * q / 100
-    lo = math.floor(rank)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (rank - lo)
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from appliance.bench.loadgen import BenchError, LoadGenerator, fetch_knobs, norm
 from appliance.bench.metrics import SLO
 from appliance.bench.runner import run_benchmark
 from appliance.bench.workloads import BenchRequest
+from appliance.numeric import ms_text
 
 TUNED = ("max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold")
 SHORT = {"max_num_seqs": "seqs", "max_num_batched_tokens": "budget", "long_prefill_token_threshold": "chunk"}
@@ -334,10 +335,8 @@ def _conclude(result: SweepResult) -> None:
 def _describe(point: SweepPoint) -> str:
     if point.status != "ok":
         return f"{point.status} ({point.reason})"
-    return (f"{point.output_throughput:.1f} tok/s, TTFT p99 {_ms(point.ttft_p99)}, ITL p99 "
-            f"{_ms(point.itl_p99)}, goodput {point.goodput or 0:.2f} req/s "
+    return (f"{point.output_throughput:.1f} tok/s, TTFT p99 {ms_text(point.ttft_p99, 0)}, ITL p99 "
+            f"{ms_text(point.itl_p99, 0)}, goodput {point.goodput or 0:.2f} req/s "
             f"({(point.attainment or 0):.0%} within SLO{'' if point.meets_slo else ', misses it'})")
 
 
-def _ms(seconds: float | None) -> str:
-    return "-" if seconds is None else f"{seconds * 1000:.0f} ms"

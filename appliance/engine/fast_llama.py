@@ -15,13 +15,42 @@ transformers' own classes; a test checks this forward's logits against transform
 
 from __future__ import annotations
 
+import functools
+import logging
+
 import torch
 import torch.nn.functional as F
 
 from .cpu_kernels import CpuKernels
 from .paged_attention import AttentionMetadata, paged_attention
 
+log = logging.getLogger(__name__)
+
 SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM")
+# torch's private oneDNN ops behind PackedLinear (no public API packs a linear weight). pyproject.toml
+# pins the torch range tested; tests/test_library_internals.py fails, naming the version, when they move.
+PACKED_OPS = ("_reorder_linear_weight", "_linear_pointwise")
+
+
+@functools.cache
+def packing_available(dtype: torch.dtype) -> bool:
+    """oneDNN weight packing works for `dtype` in this torch on this CPU (else PackedLinear runs
+    plain F.linear): the ops exist, and packing a small weight succeeds (bfloat16 needs AVX512-BW
+    or AVX-NE-CONVERT)."""
+    if dtype not in (torch.float32, torch.bfloat16) or not torch.backends.mkldnn.is_available():
+        return False
+    missing = [op for op in PACKED_OPS if not hasattr(torch.ops.mkldnn, op)]
+    if missing:
+        log.warning("torch %s has no torch.ops.mkldnn.%s: the lean forward's matmuls run unpacked (slower)",
+                    torch.__version__, ", ".join(missing))
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=dtype), PackedLinear.BATCH_HINT)
+    except RuntimeError as exc:
+        log.warning("oneDNN cannot pack %s weights here (torch %s: %s): the lean forward's matmuls run unpacked",
+                    dtype, torch.__version__, str(exc).splitlines()[0])
+        return False
+    return True
 
 
 def supports(model: torch.nn.Module) -> bool:
@@ -46,7 +75,7 @@ class PackedLinear:
     def __init__(self, weight: torch.Tensor):
         self.weight = weight
         self.packed = None
-        if weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available():
+        if weight.device.type == "cpu" and packing_available(weight.dtype):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), self.BATCH_HINT)
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:

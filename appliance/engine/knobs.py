@@ -5,7 +5,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, Mapping
 
-POLICIES = ("continuous", "static")
+from ..numeric import is_int
+from ..policies import POLICIES
+
 # Hard ceilings that keep a typo from exhausting memory; far above anything sensible here.
 MAX_NUM_SEQS_LIMIT = 4096
 MAX_BATCHED_TOKENS_LIMIT = 1 << 20
@@ -53,10 +55,6 @@ class Knobs:
         return replace(self, **{k: v for k, v in changes.items()})
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def validate_knobs(values: Mapping[str, Any], only: set[str] | None = None) -> dict[str, str]:
     """Check a complete knob mapping; return {field: message} for every problem found.
 
@@ -73,7 +71,7 @@ def validate_knobs(values: Mapping[str, Any], only: set[str] | None = None) -> d
     }
     for name, ceiling in int_limits.items():
         value = values.get(name)
-        if not _is_int(value):
+        if not is_int(value):
             errors[name] = f"must be an integer, got {value!r}"
         elif not 1 <= value <= ceiling:
             errors[name] = f"must be between 1 and {ceiling}, got {value}"

@@ -55,7 +55,7 @@ class ModelRunner:
         self.device = loaded.device
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.model.config._attn_implementation = ATTN_IMPLEMENTATION
+        self.model.set_attn_implementation(ATTN_IMPLEMENTATION)  # registered in paged_attention
         self.spec = kv_cache_spec(loaded)
         wanted = use_kernels and cpu_kernels.CpuKernels.supports(loaded.dtype, self.device)
         kernels = cpu_kernels.load() if wanted else None

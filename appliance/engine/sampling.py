@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..numeric import is_int
+
 
 class InvalidRequestError(ValueError):
     """A request the engine refuses before scheduling anything. `param` names the bad field."""
@@ -19,10 +21,6 @@ class InvalidRequestError(ValueError):
 
 def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass
@@ -46,7 +44,7 @@ class SamplingParams:
 
     def validate(self, vocab_size: int | None = None) -> "SamplingParams":
         """Raise InvalidRequestError naming the first bad field; return self when valid."""
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+        if not is_int(self.max_tokens) or self.max_tokens < 1:
             raise InvalidRequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}", "max_tokens")
         if not _is_number(self.temperature) or not 0 <= self.temperature <= 100:
             raise InvalidRequestError(
@@ -54,21 +52,21 @@ class SamplingParams:
             )
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}", "top_p")
-        if not _is_int(self.top_k) or self.top_k < -1:
+        if not is_int(self.top_k) or self.top_k < -1:
             raise InvalidRequestError(f"top_k must be -1, 0 or a positive integer, got {self.top_k!r}", "top_k")
-        if self.seed is not None and (not _is_int(self.seed) or not -(2**63) <= self.seed < 2**64):
+        if self.seed is not None and (not is_int(self.seed) or not -(2**63) <= self.seed < 2**64):
             raise InvalidRequestError(f"seed must be a 64-bit integer, got {self.seed!r}", "seed")
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             raise InvalidRequestError("stop must be a list of non-empty strings", "stop")
         if len(self.stop) > 16:
             raise InvalidRequestError(f"at most 16 stop strings, got {len(self.stop)}", "stop")
         if not isinstance(self.stop_token_ids, list) or not all(
-            _is_int(t) and 0 <= t < (vocab_size or 2**31) for t in self.stop_token_ids
+            is_int(t) and 0 <= t < (vocab_size or 2**31) for t in self.stop_token_ids
         ):
             raise InvalidRequestError("stop_token_ids must be a list of valid token ids", "stop_token_ids")
         if not isinstance(self.ignore_eos, bool):
             raise InvalidRequestError("ignore_eos must be a boolean", "ignore_eos")
-        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+        if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise InvalidRequestError(
                 f"min_tokens must be an integer between 0 and max_tokens ({self.max_tokens}), "
                 f"got {self.min_tokens!r}",

@@ -21,6 +21,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..engine import AsyncEngine
 from . import admin, openai_api
+from .access_log import DashboardPollingMarker, quiet_dashboard_polling
 from .errors import APIError, JSONResponse
 from .openapi import build_openapi
 from .state import AppState, ServerConfig, TelemetrySink
@@ -28,6 +29,7 @@ from .state import AppState, ServerConfig, TelemetrySink
 log = logging.getLogger(__name__)
 
 PROTECTED_PREFIXES = ("/v1/", "/admin/")
+DASHBOARD_PATH = "/ui"
 
 
 class ApiKeyMiddleware:
@@ -137,6 +139,10 @@ def _mount_dashboard(app: Starlette, state: AppState) -> None:
     config = state.config
     assert config.self_url is not None
     try:
-        mount_dashboard(app, config.self_url, config.db_url or DEFAULT_URL, config.api_key, CONFIG_DIR, path="/ui")
+        mount_dashboard(app, config.self_url, config.db_url or DEFAULT_URL, config.api_key, CONFIG_DIR,
+                        path=DASHBOARD_PATH)
     except Exception:  # a broken dashboard must not take the API down
         log.exception("mounting the dashboard failed; /ui is not available")
+        return
+    app.add_middleware(DashboardPollingMarker, mount_path=DASHBOARD_PATH)
+    quiet_dashboard_polling()

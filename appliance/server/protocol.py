@@ -18,6 +18,7 @@ from typing import Any
 from starlette.requests import ClientDisconnect, Request
 
 from ..engine.chat import validate_messages
+from ..numeric import is_int
 from .errors import APIError, bad_request
 
 MAX_JSON_DEPTH = 32
@@ -113,17 +114,13 @@ async def read_json_object(request: Request, limit: int) -> dict[str, Any]:
 
 
 # -- field readers ------------------------------------------------------------------------------
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def opt_int(body: dict, name: str) -> int | None:
     value = body.get(name)
-    if value is not None and not _is_int(value):
+    if value is not None and not is_int(value):
         raise bad_request(f"{name} must be an integer, got {_show(value)}", name)
     return value
 
@@ -247,7 +244,7 @@ def _common(body: dict, max_tokens: int | None) -> dict[str, Any]:
     stop_token_ids = body.get("stop_token_ids")
     if stop_token_ids is None:
         stop_token_ids = []
-    if not isinstance(stop_token_ids, list) or not all(_is_int(t) for t in stop_token_ids):
+    if not isinstance(stop_token_ids, list) or not all(is_int(t) for t in stop_token_ids):
         raise bad_request("stop_token_ids must be a list of integers", "stop_token_ids")
     source = opt_str(body, "appliance_source") or "api"
     if source not in SOURCES:
@@ -309,7 +306,7 @@ def parse_completion(body: dict) -> GenerationRequest:
     ids: list[int] | None = None
     if isinstance(prompt, str):
         text = prompt
-    elif isinstance(prompt, list) and all(_is_int(t) for t in prompt):
+    elif isinstance(prompt, list) and all(is_int(t) for t in prompt):
         ids = prompt
     else:
         raise bad_request("prompt must be a string, a list of token ids, or a list holding one of those",

@@ -22,6 +22,7 @@ from typing import Any
 from sqlalchemy import Double, bindparam, func, select
 from sqlalchemy.engine import Connection, Engine
 
+from appliance.numeric import percentile
 from appliance.records import COMPLETED_REASONS, RunStatus
 from appliance.telemetry.models import (
     SERIES_COLUMNS,
@@ -341,7 +342,7 @@ def latency_series(
                 t=since + b * width,
                 count=len(values),
                 mean=sum(values) / len(values),
-                quantiles={_quantile_name(q): _quantile(values, q) for q in quantiles},
+                quantiles={_quantile_name(q): percentile(values, q * 100) for q in quantiles},
             )
         )
     return result
@@ -373,14 +374,6 @@ def _window(
     return since, until, replica_id
 
 
-def _quantile(sorted_values: Sequence[float], q: float) -> float:
-    """Linear-interpolated quantile (numpy's default) of already sorted values."""
-    pos = (len(sorted_values) - 1) * q
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(sorted_values) - 1)
-    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
-
-
 def _quantile_name(q: float) -> str:
     return f"p{q * 100:g}"
 
@@ -391,8 +384,8 @@ def _stats(values: list[float]) -> dict[str, float] | None:
     values = sorted(values)
     return {
         "mean": sum(values) / len(values),
-        "p50": _quantile(values, 0.5),
-        "p90": _quantile(values, 0.9),
-        "p99": _quantile(values, 0.99),
+        "p50": percentile(values, 50),
+        "p90": percentile(values, 90),
+        "p99": percentile(values, 99),
         "max": values[-1],
     }

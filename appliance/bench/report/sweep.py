@@ -10,8 +10,8 @@ from typing import Any
 
 import plotly.graph_objects as go
 
-from appliance.bench import report_html as h
-from appliance.bench.report import md_table, normalize_format
+from appliance.bench.report import page as h
+from appliance.bench.report.runs import md_table, normalize_format
 from appliance.bench.tune import TUNED, SweepResult
 
 TITLE = "Tuning sweep"

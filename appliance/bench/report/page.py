@@ -125,11 +125,12 @@ def line_figure(title: str, x_title: str, y_title: str,
 
 
 def bar_figure(title: str, y_title: str, categories: Sequence[str],
-               groups: Sequence[tuple[str, Sequence[float | None]]]) -> go.Figure:
-    """Grouped bars: one group per category, one bar per (name, values) series."""
+               groups: Sequence[tuple[str, Sequence[float | None]]], colors: Sequence[str] = COLORS) -> go.Figure:
+    """Grouped bars: one group per category, one bar per (name, values) series (the report's
+    charts and the dashboard's comparison)."""
     fig = go.Figure()
     for i, (name, values) in enumerate(groups):
         fig.add_trace(go.Bar(x=list(categories), y=list(values), name=name,
-                             marker={"color": COLORS[i % len(COLORS)]}))
+                             marker={"color": colors[i % len(colors)]}))
     fig.update_layout(title=title, yaxis_title=y_title, barmode="group")
     return fig

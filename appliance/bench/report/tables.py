@@ -10,9 +10,10 @@ import datetime as dt
 from dataclasses import asdict
 from typing import Any
 
-from appliance.bench.analysis import Comparison, ms, pct
-from appliance.bench.report_data import BUDGET_FULL, KV_PINNED, LATENCIES, RunData
+from appliance.bench.report.analysis import Comparison, pct
+from appliance.bench.report.data import BUDGET_FULL, KV_PINNED, LATENCIES, RunData
 from appliance.bench.runner import describe_arrival
+from appliance.numeric import ms_text
 
 Table = tuple[list[str], list[list[str]]]
 STATS = ("count", "mean", "p50", "p90", "p99", "max")
@@ -46,11 +47,6 @@ def number(value: Any, digits: int = 2) -> str:
     if isinstance(value, int):
         return str(value)
     return f"{value:.{digits}f}"
-
-
-def ms_cell(seconds: Any) -> str:
-    """Seconds shown as milliseconds with two decimals."""
-    return "-" if seconds is None else f"{seconds * 1000:.2f}"
 
 
 def facts(data: RunData) -> list[tuple[str, str]]:
@@ -93,11 +89,11 @@ def latency_table(data: RunData) -> Table:
     for metric in LATENCIES:
         d = data.summary.get(metric) or {}
         rows.append([LATENCY_LABELS[metric], str(d.get("count") or 0)]
-                    + [ms_cell(d.get(stat)) for stat in STATS[1:]])
+                    + [ms_text(d.get(stat), 2, "") for stat in STATS[1:]])
     for key, label in SERVER_LATENCIES:
         d = data.server.get(key)
         if d:
-            rows.append([label, str(data.server["requests"])] + [ms_cell(d.get(stat)) for stat in STATS[1:]])
+            rows.append([label, str(data.server["requests"])] + [ms_text(d.get(stat), 2, "") for stat in STATS[1:]])
     return ["Latency (ms)", "Count", "Mean", "P50", "P90", "P99", "Max"], rows
 
 
@@ -138,14 +134,14 @@ def comparison_table(comparison: Comparison) -> Table:
     for m in comparison.metrics:
         if all(v is None for v in m.values):
             continue
-        cells = [ms(v) if m.unit == "ms" else (f"{v:.2f} {m.unit}" if v is not None else "-")
+        cells = [ms_text(v) if m.unit == "ms" else (f"{v:.2f} {m.unit}" if v is not None else "-")
                  for v in m.values]
         if m.winner is None:
             winner, margin = "-", "-"
         elif m.tie:
-            winner, margin = "tie", pct(m.margin)
+            winner, margin = "tie", m.margin_text
         else:
-            winner, margin = comparison.names[m.winner], pct(m.margin)
+            winner, margin = comparison.names[m.winner], m.margin_text
         rows.append([m.label, *cells, winner, margin])
     return headers, rows
 

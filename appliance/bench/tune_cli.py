@@ -1,8 +1,7 @@
-"""`appliance report` (write the report of stored runs) and `appliance tune` (sweep the knobs of
-a running appliance).
+"""`appliance tune`: sweep the knobs of a running appliance (appliance.bench.tune).
 
-Exit status of `report`: 0 written, 2 bad arguments or unknown run. Of `tune`: 0 when a setting
-met the SLO (and was applied with --apply), 1 when none did, 2 when the sweep could not run.
+Exit status: 0 when a setting met the SLO (and was applied with --apply), 1 when none did, 2
+when the sweep could not run.
 """
 
 from __future__ import annotations
@@ -10,71 +9,15 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 
-from appliance.bench.cli import API_KEY_ENV, add_workload_arguments, build_workload
+from appliance.bench.cli import API_KEY_ENV, add_workload_arguments, build_workload, db_url
 from appliance.bench.loadgen import BenchError
-from appliance.bench.report import FORMATS, normalize_format, render_report
+from appliance.bench.report.cli import FORMAT_CHOICES, format_for, write_output
+from appliance.bench.report.sweep import render_sweep, summary_lines
 from appliance.bench.tune import DEFAULT_ATTAINMENT, TUNED, Grid, run_sweep
-from appliance.bench.tune_report import render_sweep, summary_lines
 
-SUFFIX_FORMATS = {".html": "html", ".htm": "html", ".md": "md", ".markdown": "md", ".csv": "csv", ".json": "json"}
 GRID_FLAGS = {"max_num_seqs": "--max-num-seqs", "max_num_batched_tokens": "--max-num-batched-tokens",
               "long_prefill_token_threshold": "--chunk-sizes"}
-
-
-def _format_for(fmt: str | None, output: str | None) -> str:
-    """--format, else the output file's suffix, else html."""
-    if fmt is not None:
-        return normalize_format(fmt)
-    if output is not None and output != "-":
-        return SUFFIX_FORMATS.get(Path(output).suffix.lower(), "html")
-    return "html"
-
-
-def _write(text: str, output: str | None) -> None:
-    if output is None or output == "-":
-        sys.stdout.write(text)
-        return
-    path = Path(output)
-    if path.parent and not path.parent.exists():
-        raise FileNotFoundError(f"{path.parent}: no such folder for --output")
-    path.write_text(text, encoding="utf-8")
-
-
-def _db(url: str | None) -> str:
-    from appliance.telemetry.store import DEFAULT_URL
-
-    return url or DEFAULT_URL
-
-
-# ------------------------------------------------------------------------------------ report
-
-
-def add_report_arguments(parser: argparse.ArgumentParser) -> None:
-    """The `appliance report` flags."""
-    parser.add_argument("run_ids", nargs="+", metavar="RUN_ID", help="stored runs to report on (in order)")
-    parser.add_argument("--format", choices=[*FORMATS, "markdown"], default=None,
-                        help="html (self-contained, opens offline), md, csv or json "
-                             "(default: from --output's suffix, else html)")
-    parser.add_argument("--output", "-o", default=None, help="file to write (default: standard output)")
-    parser.add_argument("--db", default=None, help="telemetry store URL (default: sqlite:///appliance.db)")
-
-
-def report_main(args: argparse.Namespace) -> int:
-    try:
-        fmt = _format_for(args.format, args.output)
-        text = render_report(_db(args.db), list(args.run_ids), fmt)
-        _write(text, args.output)
-    except (ValueError, LookupError, FileNotFoundError) as exc:
-        print(f"appliance report: error: {exc}", file=sys.stderr)
-        return 2
-    if args.output not in (None, "-"):
-        print(f"wrote the {fmt} report of {len(args.run_ids)} run(s) to {args.output}", file=sys.stderr)
-    return 0
-
-
-# -------------------------------------------------------------------------------------- tune
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -108,7 +51,7 @@ def add_tune_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--apply", action="store_true",
                         help="leave the recommended setting on the server (default: restore the original knobs)")
     parser.add_argument("--report", default=None, help="write the sweep report here (.html, .md, .csv or .json)")
-    parser.add_argument("--format", choices=[*FORMATS, "markdown"], default=None,
+    parser.add_argument("--format", choices=FORMAT_CHOICES, default=None,
                         help="report format (default: from --report's suffix, else html)")
 
 
@@ -118,13 +61,13 @@ def tune_main(args: argparse.Namespace) -> int:
         return 2
     try:
         requests, workload = build_workload(args)
-        fmt = _format_for(args.format, args.report)
+        fmt = format_for(args.format, args.report)
         grid = Grid(**{name: getattr(args, name) for name in TUNED})
         result = run_sweep(
             requests, args.slo, base_url=args.base_url, grid=grid, refine=not args.no_refine, apply=args.apply,
             attainment=args.attainment, rate=args.rate, concurrency=args.concurrency, seed=args.seed,
             max_duration_s=args.duration, request_timeout_s=args.request_timeout,
-            api_key=args.api_key or os.environ.get(API_KEY_ENV), db_url=_db(args.db), workload=workload,
+            api_key=args.api_key or os.environ.get(API_KEY_ENV), db_url=db_url(args.db), workload=workload,
             progress=lambda line: print(line, file=sys.stderr, flush=True),
         )
     except (ValueError, FileNotFoundError, BenchError) as exc:
@@ -133,7 +76,7 @@ def tune_main(args: argparse.Namespace) -> int:
     print(render_sweep(result, "md") if args.report is None else "\n".join(summary_lines(result)))
     if args.report is not None:
         try:
-            _write(render_sweep(result, fmt), args.report)
+            write_output(render_sweep(result, fmt), args.report)
         except FileNotFoundError as exc:
             print(f"appliance tune: error: {exc}", file=sys.stderr)
             return 2

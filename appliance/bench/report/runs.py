@@ -17,10 +17,11 @@ import json
 from dataclasses import asdict
 from typing import Any, Callable, Sequence
 
-from appliance.bench import report_html as h
-from appliance.bench import report_tables as tables
-from appliance.bench.analysis import Comparison, compare, findings
-from appliance.bench.report_data import RunData, load_run
+from appliance.bench.report import page as h
+from appliance.bench.report import tables
+from appliance.bench.report.analysis import Comparison, compare, findings
+from appliance.bench.report.data import RunData, load_run
+from appliance.numeric import to_ms
 from appliance.telemetry.store import using_engine
 
 FORMATS = ("html", "md", "csv", "json")
@@ -194,7 +195,7 @@ def _html_comparison(page: h.Page, data: Sequence[RunData], comparison: Comparis
     categories = ["TTFT P50", "TTFT P99", "TPOT P50", "ITL P99", "E2E P50", "E2E P99"]
     keys = [("ttft", "p50"), ("ttft", "p99"), ("tpot", "p50"), ("itl", "p99"), ("e2e", "p50"), ("e2e", "p99")]
     latency = h.bar_figure("Latency", "ms", categories, [
-        (name, [_ms((run.summary.get(m) or {}).get(s)) for m, s in keys]) for name, run in zip(names, data)])
+        (name, [to_ms((run.summary.get(m) or {}).get(s)) for m, s in keys]) for name, run in zip(names, data)])
     page.add(f'<div class="grid">{page.chart(throughput)}{page.chart(latency)}</div>')
 
 
@@ -220,10 +221,6 @@ def _html_run(page: h.Page, index: int, run: RunData) -> None:
                  "(a server without telemetry, or another replica).</p>")
 
 
-def _ms(seconds: float | None) -> float | None:
-    return None if seconds is None else seconds * 1000
-
-
 def _markers(run: RunData) -> list[tuple[float, str]]:
     start = run.run["started_at"]
     return [(c["applied_at"] - start, ", ".join(f"{k}={v}" for k, v in (c.get("new") or {}).items()))
@@ -235,8 +232,8 @@ def _latency_figure(run: RunData) -> Any:
     ok = [r for r in run.run.get("requests", []) if r["ok"] and r["start_offset_s"] is not None]
     sent = [r["start_offset_s"] for r in ok]
     return h.line_figure("Latency per request", "sent at (s from run start)", "ms", [
-        ("TTFT", sent, [_ms(r["ttft_s"]) for r in ok], {"mode": "markers"}),
-        ("E2E", sent, [_ms(r["e2e_s"]) for r in ok], {"mode": "markers"}),
+        ("TTFT", sent, [to_ms(r["ttft_s"]) for r in ok], {"mode": "markers"}),
+        ("E2E", sent, [to_ms(r["e2e_s"]) for r in ok], {"mode": "markers"}),
     ], _markers(run))
 
 

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from statistics import fmean
 from typing import Any, Sequence
 
-from appliance.bench.report_data import BUDGET_FULL, KV_PINNED, RunData
+from appliance.bench.report.data import BUDGET_FULL, KV_PINNED, RunData
+from appliance.numeric import ms_text
 
 TAIL_RATIO = 3.0  # P99/P50 above this: the article's sign of a scheduling bottleneck
 MIN_SAMPLES = 4  # fewer latencies than this: no tail finding
@@ -22,6 +23,7 @@ PADDING_SHARE = 0.05
 QUEUE_GROWTH = 3.0  # last-quarter queue time above this multiple of the first quarter's
 QUEUE_GROWTH_MIN_S = 0.25
 TIE = 0.02  # relative differences below this are ties
+RATIO_FROM = 2.0  # a winner at least this many times better is said as a ratio ("43x"), not a percentage
 LABELS = {"ttft": "TTFT", "tpot": "TPOT", "itl": "ITL", "e2e": "E2E"}
 TAIL_CAUSES = {
     "ttft": "requests wait behind others before their first token (queueing, admission limits)",
@@ -35,10 +37,6 @@ TAIL_CAUSES = {
 class Finding:
     kind: str  # latency_tail | kv_pressure | budget_unused | queue_growth | padding | failures | slo
     text: str
-
-
-def ms(seconds: float | None) -> str:
-    return "-" if seconds is None else f"{seconds * 1000:.1f} ms"
 
 
 def pct(share: float | None) -> str:
@@ -78,7 +76,7 @@ def _tails(data: RunData) -> list[Finding]:
         ratio = p99 / p50
         if ratio > TAIL_RATIO:
             out.append(Finding("latency_tail", (
-                f"{LABELS[metric]} P99 is {ratio:.1f}x its P50 ({ms(p99)} vs {ms(p50)}). Above "
+                f"{LABELS[metric]} P99 is {ratio:.1f}x its P50 ({ms_text(p99)} vs {ms_text(p50)}). Above "
                 f"{TAIL_RATIO:g}x is the sign of a scheduling bottleneck: {TAIL_CAUSES[metric]}.")))
     return out
 
@@ -151,7 +149,7 @@ def _slo(data: RunData) -> list[Finding]:
     if not s.get("slo"):
         return []
     met, done = s.get("slo_met"), s.get("completed")
-    targets = ", ".join(f"{k} <= {ms(v)}" for k, v in s["slo"].items())
+    targets = ", ".join(f"{k} <= {ms_text(v)}" for k, v in s["slo"].items())
     return [Finding("slo", f"{met} of {done} completed requests met the SLO ({targets}); "
                            f"goodput {s.get('goodput') or 0:.2f} requests/s.")]
 
@@ -195,6 +193,26 @@ class MetricComparison:
     def tie(self) -> bool:
         return self.margin is not None and self.margin < TIE
 
+    @property
+    def ratio(self) -> float | None:
+        """How many times better the winner is than the runner-up (None without both, or a zero)."""
+        if self.winner is None or self.runner_up is None:
+            return None
+        best, second = self.values[self.winner], self.values[self.runner_up]
+        if best is None or second is None:
+            return None
+        better, worse = (best, second) if self.higher_is_better else (second, best)
+        return better / worse if worse > 0 else None
+
+    @property
+    def margin_text(self) -> str:
+        """The margin in words: "25%" for a close win, "43x" from RATIO_FROM times up (a value near
+        zero makes percentages meaningless: 0.43 against 0.01 is 43x, not "4200% more")."""
+        ratio = self.ratio
+        if ratio is not None and ratio >= RATIO_FROM:
+            return f"{ratio:.1f}x" if ratio < 10 else f"{ratio:.0f}x"
+        return pct(self.margin)
+
 
 @dataclass(frozen=True)
 class Comparison:
@@ -223,8 +241,12 @@ def compare(runs: Sequence[RunData]) -> Comparison:
             continue
         wins[m.winner] += 1
         direction = "more" if m.higher_is_better else "lower"
-        lines.append(f"{m.label}: {names[m.winner]} wins with {_fmt(best, m.unit)}, {m.margin:.0%} "
-                     f"{direction} than {names[m.runner_up]} ({_fmt(second, m.unit)}).")
+        if m.ratio is not None and m.ratio >= RATIO_FROM:
+            lines.append(f"{m.label}: {names[m.winner]} wins with {_fmt(best, m.unit)} vs {_fmt(second, m.unit)} "
+                         f"for {names[m.runner_up]} ({m.margin_text} {direction}).")
+        else:
+            lines.append(f"{m.label}: {names[m.winner]} wins with {_fmt(best, m.unit)}, {m.margin_text} "
+                         f"{direction} than {names[m.runner_up]} ({_fmt(second, m.unit)}).")
     if any(wins):
         top = max(range(len(runs)), key=lambda i: wins[i])
         settings = ", ".join(f"{k}={v[top]}" for k, v in knob_diff.items())
@@ -256,5 +278,5 @@ def _fmt(value: float | None, unit: str) -> str:
     if value is None:
         return "-"
     if unit == "ms":
-        return ms(value)
+        return ms_text(value)
     return f"{value:.2f} {unit}"
