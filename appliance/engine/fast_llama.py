@@ -46,7 +46,7 @@ class PackedLinear:
     def __init__(self, weight: torch.Tensor):
         self.weight = weight
         self.packed = None
-        if weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available():
+        if weight.device.type == "cpu" and _onednn_packs(weight.dtype):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), self.BATCH_HINT)
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -56,6 +56,14 @@ class PackedLinear:
         if residual is None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
         return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.packed, None, "add")
+
+
+def _onednn_packs(dtype: torch.dtype) -> bool:
+    """oneDNN's packed linear runs float32 anywhere, bfloat16 only on CPUs with AVX512-BW/VL/DQ or
+    AVX-NE-CONVERT (elsewhere its packing raises; F.linear still runs bf16, emulated)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def _fuse(linears: list[torch.nn.Linear]) -> torch.Tensor:
