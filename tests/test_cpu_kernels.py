@@ -126,25 +126,72 @@ def test_cli_flag_and_config_reach_the_engine_config():
     assert engine_config_from_args(parser.parse_args(["generate", "--no-cpu-kernels", "hi"])).cpu_kernels is False
 
 
-def test_bfloat16_engine_agrees_with_its_torch_path():
-    # bf16 is what `--dtype auto` picks on CPUs with native bf16 (this one). Rounding differs
-    # between the two paths, so greedy tokens may part ways after a near-tie; a broken kernel
-    # would part them at once. Measured here: 94 % of tokens before the first divergence.
-    from appliance.engine import EngineConfig, Knobs, LLMEngine, SamplingParams
+def _teacher_forced_logits(runner, prompts: list[list[int]], continuations: list[list[int]]) -> list[torch.Tensor]:
+    """Each prompt's logits [1 + steps, vocab] from `runner`: one packed prefill of all prompts,
+    then one batched decode step per forced token (the paths are fed the same tokens, so they
+    cannot part ways)."""
+    from appliance.engine.block_manager import BlockManager
+    from appliance.engine.sampling import SamplingParams
+    from appliance.engine.scheduler import ScheduledSeq, SchedulerOutput
+    from appliance.engine.sequence import Sequence
+
+    blocks = BlockManager(runner.num_blocks, runner.block_size)
+    seqs = [Sequence(request_id=str(i), prompt_token_ids=list(p), params=SamplingParams(), detokenizer=None)
+            for i, p in enumerate(prompts)]
+    logits: list[list[torch.Tensor]] = [[] for _ in seqs]
+    items = [ScheduledSeq(seq, seq.num_tokens, is_prefill=True) for seq in seqs]
+    for step in range(len(continuations[0]) + 1):
+        for item in items:
+            assert blocks.allocate(item.seq, item.num_tokens)
+        result = runner.execute(SchedulerOutput(items))
+        for row, index in enumerate(result.sample_indices):
+            logits[index].append(result.logits[row])
+        for item in items:
+            item.seq.num_computed_tokens += item.num_tokens
+        if step < len(continuations[0]):
+            for seq, forced in zip(seqs, continuations):
+                seq.output_token_ids.append(forced[step])
+            items = [ScheduledSeq(seq, 1, is_prefill=False) for seq in seqs]
+    return [torch.stack(rows) for rows in logits]
+
+
+def test_bfloat16_kernels_are_as_close_to_float32_as_the_torch_path(loaded_model):
+    # Greedy agreement between two bf16 paths is no criterion: after a near-tie either may pick
+    # the other token (measured 111/160 agreeing tokens on one machine, 94 % on another). Instead
+    # both bf16 paths (C kernels, torch ops) are fed the same tokens (fp32 greedy continuations)
+    # and their logits are measured against fp32 transformers' on the same inputs.
+    # Tolerances: both paths share every bf16 matmul, whose rounding dominates their error (mean
+    # relative L2 error of a logits row: kernels 0.0212, torch 0.0198 on an AVX2 machine without
+    # oneDNN bf16); they differ only in attention and elementwise rounding, where the kernels keep
+    # float32 intermediates and round once (at the op level their error is equal or lower:
+    # attention 1.7e-3 vs SDPA's 1.9e-3, rotary 1.7e-3 vs 2.4e-3, RMSNorm and silu*up equal). So
+    # the path-to-path ratio is noise around 1 (1.07 measured); 25 % margin plus 0.002 absolute
+    # slack leaves room for other machines' matmul rounding, while a kernel bug (a wrong slot, a
+    # head, bf16 accumulation) adds far more. 0.08 bounds each path at ~4x what bf16 gives, so a
+    # broken shared part fails both.
+    from appliance.engine.model_runner import ModelRunner
     from appliance.model_loader import load_model
 
     from test_engine_parity import PROMPTS
 
+    steps = 16
+    tok, model = loaded_model.tokenizer, loaded_model.model
+    prompts = [tok.encode(p, add_special_tokens=False) for p in PROMPTS]
+    continuations, reference = [], []
+    with torch.inference_mode():
+        for ids in prompts:
+            out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                 max_new_tokens=steps, min_new_tokens=steps, do_sample=False)
+            continuations.append(out[0, len(ids):].tolist())
+            reference.append(model(out).logits[0, len(ids) - 1:].float())  # the prefill row + one per forced token
+
     loaded = load_model(dtype="bfloat16", device="cpu")
-    outputs = {}
+    errors = {}
     for kernels in (True, False):
-        engine = LLMEngine(EngineConfig(dtype="bfloat16", device="cpu", num_blocks=256, cpu_kernels=kernels,
-                                        knobs=Knobs(max_num_seqs=16, max_num_batched_tokens=1024,
-                                                    long_prefill_token_threshold=1024)), loaded=loaded)
-        assert (engine.runner.decode_kernel is not None) == kernels
-        params = SamplingParams(max_tokens=16, min_tokens=16, temperature=0)
-        outputs[kernels] = [o.token_ids for o in engine.generate(PROMPTS, params)]
-    common = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x))
-              for x, y in zip(outputs[True], outputs[False])]
-    assert all(n >= 1 for n in common), common  # the first token (from the prefill) always agrees
-    assert sum(common) >= 0.75 * 16 * len(PROMPTS), common
+        runner = ModelRunner(loaded, num_blocks=256, block_size=16, use_kernels=kernels)
+        assert (runner.decode_kernel is not None) == kernels
+        logits = _teacher_forced_logits(runner, prompts, continuations)
+        rel = [((got - ref).norm(dim=-1) / ref.norm(dim=-1)) for got, ref in zip(logits, reference)]
+        errors[kernels] = torch.cat(rel).mean().item()
+    assert errors[True] < 0.08 and errors[False] < 0.08, errors
+    assert errors[True] <= errors[False] * 1.25 + 0.002, errors

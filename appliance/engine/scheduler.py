@@ -91,7 +91,9 @@ class Scheduler:
                 break
             if seq.status is not Status.RUNNING:  # preempted as a victim earlier in this loop
                 continue
-            if self._reserve(seq, 1, out):
+            granted, released = self._reserve(seq, 1, out)
+            budget += released
+            if granted:
                 out.scheduled.append(ScheduledSeq(seq, 1, is_prefill=False))
                 budget -= 1
 
@@ -100,7 +102,8 @@ class Scheduler:
                 break
             if seq.status is not Status.RUNNING:
                 continue
-            n = self._reserve(seq, min(seq.num_uncomputed, chunk, budget), out)
+            n, released = self._reserve(seq, min(seq.num_uncomputed, chunk, budget), out)
+            budget += released
             if n:
                 out.scheduled.append(ScheduledSeq(seq, n, is_prefill=True))
                 budget -= n
@@ -166,23 +169,28 @@ class Scheduler:
         capacity = (len(seq.block_table) + bm.num_free_blocks) * bm.block_size - seq.num_computed_tokens
         return max(0, min(wanted, capacity))
 
-    def _reserve(self, seq: Sequence, wanted: int, out: SchedulerOutput) -> int:
+    def _reserve(self, seq: Sequence, wanted: int, out: SchedulerOutput) -> tuple[int, int]:
         """Allocate blocks for up to `wanted` tokens of a running sequence, preempting the newest
-        running sequences while nothing fits. Returns the tokens granted; 0 if `seq` itself was
-        preempted. Each round removes one running sequence, so this always ends."""
-        granted = self._fit(seq, wanted)
+        running sequences while nothing fits. Returns (tokens granted, 0 if `seq` itself was
+        preempted; budget released by victims already scheduled this step). Each round removes
+        one running sequence, so this always ends."""
+        granted, released = self._fit(seq, wanted), 0
         while granted == 0:
             victim = max(self.running, key=lambda s: s.arrival_order)
-            self._preempt(victim, out)
+            released += self._preempt(victim, out)
             if victim is seq:
-                return 0
+                return 0, released
             granted = self._fit(seq, wanted)
         self.block_manager.allocate(seq, granted)
-        return granted
+        return granted, released
 
-    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> int:
+        """Send `seq` back to the head of the waiting queue (recompute); return the tokens it had
+        been scheduled for this step, which go back to the budget."""
+        released = 0
         for i, item in enumerate(out.scheduled):
             if item.seq is seq:
+                released = item.num_tokens
                 del out.scheduled[i]
                 break
         self.running.remove(seq)
@@ -192,6 +200,7 @@ class Scheduler:
         seq.preemptions += 1
         self.waiting.appendleft(seq)
         out.preempted.append(seq)
+        return released
 
 
 def _needs_prefill(seq: Sequence) -> bool:
