@@ -8,6 +8,7 @@ import asyncio
 import json
 import socket
 import threading
+import time
 
 import pytest
 
@@ -144,12 +145,19 @@ def test_argument_errors(capsys):
 
 def test_run_benchmark_cancel_from_another_thread_is_stored_cancelled(fake, db):
     url, state = fake
-    state.token_delay = 0.05
+    state.token_delay = 0.1  # each answer streams for 10 s: cancelled long before it ends
     gen = LoadGenerator([BenchRequest("x", None, 100)] * 3, base_url=url)
-    timer = threading.Timer(0.3, gen.cancel)
-    timer.start()
+
+    def cancel_once_all_are_in_flight() -> None:  # not on a timer: a slow machine sends later
+        deadline = time.monotonic() + 60
+        while len(state.bodies) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        gen.cancel()
+
+    canceller = threading.Thread(target=cancel_once_all_are_in_flight)
+    canceller.start()
     run = asyncio.run(run_benchmark(gen, workload="custom", db_url=db))
-    timer.join()
+    canceller.join()
     assert run.status == "cancelled" and run.storage_error is None
     assert run.name == "custom all-at-once"
     stored = runs.get_run(db, run.run_id, with_requests=True)
