@@ -66,6 +66,7 @@ class LLMEngine:
                 f"{self.loaded.model.config.max_position_embeddings}, KV cache {capacity} tokens"
             )
         self.max_model_len = config.max_model_len or limit
+        self.cpu_kernels = self.runner.decode_kernel is not None  # in effect (built and supported)
         self.scheduler = Scheduler(self.block_manager, config.knobs)
         self.knob_version = 0
         self.knob_iteration = 0
@@ -206,6 +207,7 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return outputs
+        context = decode_context_tokens(sched)
         try:
             outputs.extend(self._postprocess(sched, self.runner.execute(sched)))
         except Exception as exc:  # the model or sampler failed: end this batch's requests, keep serving
@@ -214,7 +216,7 @@ class LLMEngine:
                 if not item.seq.is_finished:
                     self._finish(item.seq, FinishReason.ERROR, error=f"internal error in the model: {type(exc).__name__}")
                 outputs.append(self._output(item.seq, [], ""))
-        self._publish(sched, started, time.perf_counter() - t0, sum(o.finished for o in outputs))
+        self._publish(sched, started, time.perf_counter() - t0, sum(o.finished for o in outputs), context)
         return outputs
 
     def generate(self, prompts: list[str | list[int]], params: SamplingParams) -> list[RequestOutput]:
@@ -322,7 +324,8 @@ class LLMEngine:
             metrics=seq.stats,
         )
 
-    def _publish(self, sched: SchedulerOutput, started: float, duration: float, finished: int) -> None:
+    def _publish(self, sched: SchedulerOutput, started: float, duration: float, finished: int,
+                 context: int) -> None:
         prefill = [s for s in sched.scheduled if s.is_prefill]
         decode_tokens = sum(s.num_tokens for s in sched.scheduled if not s.is_prefill)
         prefill_tokens = sum(s.num_tokens for s in prefill)
@@ -333,6 +336,7 @@ class LLMEngine:
             running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
             prefill_seqs=len(prefill), prefill_tokens=prefill_tokens,
             decode_seqs=len(sched.scheduled) - len(prefill), decode_tokens=decode_tokens,
+            decode_context_tokens=context,
             scheduled_tokens=prefill_tokens + decode_tokens, padding_tokens=sched.padding_rows,
             token_budget=knobs.max_num_batched_tokens, max_num_seqs=knobs.max_num_seqs,
             kv_blocks_used=bm.num_used_blocks, kv_blocks_free=bm.num_free_blocks,
@@ -343,6 +347,12 @@ class LLMEngine:
         self.iteration += 1
         for sink in self.sinks:
             sink.on_iteration(stats)
+
+
+def decode_context_tokens(sched: SchedulerOutput) -> int:
+    """Tokens the decode rows of a schedule attend to: each row's computed context plus its new
+    token (taken before the step runs). The attention cost of an iteration grows with it."""
+    return sum(s.seq.num_computed_tokens + s.num_tokens for s in sched.scheduled if not s.is_prefill)
 
 
 def _eos_ids(loaded: LoadedModel) -> frozenset[int]:
