@@ -22,7 +22,15 @@ from .model_runner import ModelRunner, kv_cache_spec
 from .sampling import InvalidRequestError, SamplingParams, make_generator, sample
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Sequence, Status
-from .stats import FinishReason, IterationStats, KnobChange, RequestStats, StatsSink
+from .stats import (
+    FinishReason,
+    IterationStats,
+    KnobChange,
+    RequestStats,
+    StatsSink,
+    decode_context_tokens,
+    iteration_stats,
+)
 
 log = logging.getLogger(__name__)
 
@@ -326,33 +334,13 @@ class LLMEngine:
 
     def _publish(self, sched: SchedulerOutput, started: float, duration: float, finished: int,
                  context: int) -> None:
-        prefill = [s for s in sched.scheduled if s.is_prefill]
-        decode_tokens = sum(s.num_tokens for s in sched.scheduled if not s.is_prefill)
-        prefill_tokens = sum(s.num_tokens for s in prefill)
-        bm = self.block_manager
-        knobs = self.knobs
-        stats = IterationStats(
-            iteration=self.iteration, started_at=started, duration_s=duration,
-            running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
-            prefill_seqs=len(prefill), prefill_tokens=prefill_tokens,
-            decode_seqs=len(sched.scheduled) - len(prefill), decode_tokens=decode_tokens,
-            decode_context_tokens=context,
-            scheduled_tokens=prefill_tokens + decode_tokens, padding_tokens=sched.padding_rows,
-            token_budget=knobs.max_num_batched_tokens, max_num_seqs=knobs.max_num_seqs,
-            kv_blocks_used=bm.num_used_blocks, kv_blocks_free=bm.num_free_blocks,
-            kv_blocks_total=bm.num_blocks, preemptions=len(sched.preempted), finished=finished,
-            knob_version=self.knob_version, policy=knobs.scheduling_policy,
-        )
+        stats = iteration_stats(sched, self.scheduler, iteration=self.iteration, started_at=started,
+                                duration_s=duration, finished=finished, decode_context_tokens=context,
+                                knob_version=self.knob_version)
         self.last_stats = stats
         self.iteration += 1
         for sink in self.sinks:
             sink.on_iteration(stats)
-
-
-def decode_context_tokens(sched: SchedulerOutput) -> int:
-    """Tokens the decode rows of a schedule attend to: each row's computed context plus its new
-    token (taken before the step runs). The attention cost of an iteration grows with it."""
-    return sum(s.seq.num_computed_tokens + s.num_tokens for s in sched.scheduled if not s.is_prefill)
 
 
 def _eos_ids(loaded: LoadedModel) -> frozenset[int]:
