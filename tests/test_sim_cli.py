@@ -146,3 +146,36 @@ def test_unknown_run_and_a_run_too_short_to_fit(recorded, capsys):
     assert status == 2 and "no run 'no-such-run' in the store" in err
     status, _, err = simulate(capsys, "--run", tiny_id, "--db", db)
     assert status == 2 and "usable iterations" in err and "at least 20" in err
+
+
+def test_a_bench_workload_spec_replays_on_the_runs_engine(recorded, capsys, tmp_path):
+    db, run_id, _, _ = recorded
+    path = tmp_path / "w.jsonl"
+    path.write_text("\n".join(json.dumps({"prompt_ids": list(range(100, 100 + 10 * k)), "output_len": 3 + k})
+                              for k in range(1, 9)) + "\n")
+    status, out, err = simulate(capsys, "--run", run_id, "--db", db, "--workload", "jsonl", "--file", str(path),
+                                "--rate", "4", "--set", "max_num_seqs=2", "--json")
+    assert status == 0, err
+    report = json.loads(out)
+    assert report["workload"].startswith("jsonl") and report["recorded"] is None
+    for outcome in report["outcomes"]:
+        s = outcome["summary"]
+        assert s["completed"] == 8 and s["total_output_tokens"] == sum(3 + k for k in range(1, 9))
+        assert s["total_input_tokens"] == sum(10 * k for k in range(1, 9))
+    status, out, err = simulate(capsys, "--run", run_id, "--db", db, "--workload", "jsonl", "--file", str(path),
+                                "--concurrency", "2", "--json")
+    assert status == 0, err
+    assert max(json.loads(out)["outcomes"][0]["timeline"]["running"]) <= 2
+
+
+@pytest.mark.parametrize("line, message", [
+    ({"prompt": "text only", "output_len": 4}, "workload request 0: the simulator needs its prompt length"),
+    ({"prompt_ids": [5] * 5000, "output_len": 4}, "request 0: 5000 prompt + 4 output tokens = 5004 exceeds max_model_len"),
+])
+def test_a_workload_the_engine_cannot_take_is_an_error(recorded, capsys, tmp_path, line, message):
+    db, run_id, _, _ = recorded
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps(line) + "\n")
+    before = stored_models(db)
+    status, out, err = simulate(capsys, "--run", run_id, "--db", db, "--workload", "jsonl", "--file", str(path))
+    assert status == 2 and message in err and stored_models(db) == before

@@ -47,6 +47,7 @@ def _duration(text: str) -> float:
 def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     """The `appliance simulate` flags."""
     from appliance.bench.cli import _positive_float, _positive_int, _slo
+    from appliance.bench.workloads import WORKLOADS
 
     parser.add_argument("--run", required=True, metavar="RUN_ID",
                         help="recorded run to replay (its requests, knobs, KV cache and engine)")
@@ -60,8 +61,17 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rate", type=_positive_float, default=None,
                         help="replace the run's arrivals with Poisson arrivals at R requests/s (its lengths, resampled)")
     parser.add_argument("--num-requests", "-n", type=_positive_int, default=None,
-                        help="requests to resample with --rate (default: as many as the run had)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of --rate's arrivals")
+                        help="requests to resample with --rate (default: as many as the run had), or of --workload")
+    parser.add_argument("--seed", type=int, default=0, help="seed of --rate's arrivals and of --workload")
+    parser.add_argument("--workload", choices=WORKLOADS, default=None,
+                        help="replay this `appliance bench` workload (at --rate, --concurrency or all at once) "
+                             "instead of the run's requests; the run gives the knobs, cache and step times")
+    parser.add_argument("--file", default=None, help="JSONL file of --workload jsonl")
+    parser.add_argument("--concurrency", type=_positive_int, default=None,
+                        help="closed-loop arrivals for --workload, as `appliance bench --concurrency`")
+    parser.add_argument("--long-prompt-len", type=_positive_int, default=1024,
+                        help="prompt length of the long requests of --workload long-prompt-burst")
+    parser.add_argument("--model", default=None, help="tokenizer for --workload sharegpt/skewed (default: embedded SmolLM2)")
     fleet = parser.add_mutually_exclusive_group()
     fleet.add_argument("--replicas", type=_positive_int, default=None, help="replay a fleet of N replicas (round robin)")
     fleet.add_argument("--max-replicas", type=_positive_int, default=None,
@@ -96,6 +106,8 @@ def _simulate(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
     db = args.db or DEFAULT_URL
     if (args.replicas or args.max_replicas) and args.rate is None:
         raise ValueError("fleet sizing needs --rate R (requests/s the fleet must hold)")
+    if args.concurrency is not None and (args.workload is None or args.rate is not None):
+        raise ValueError("--concurrency is for --workload, instead of --rate")
     if args.max_replicas and args.slo is None:
         raise ValueError("--max-replicas needs --slo, e.g. --slo ttft=500ms,tpot=100ms")
     if not 0 < args.attainment <= 1:
@@ -109,31 +121,51 @@ def _simulate(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
         [(changes, base)] if changes else [])
     if settings and all(isinstance(s, str) for _, s in settings):
         raise ValueError(f"no valid point in the grid: {settings[0][1]}")
+    workload = _workload(args)
+    if workload is None and args.rate is not None:
+        workload = (whatif.resample(run.requests, args.num_requests or len(run.requests), args.rate, args.seed),
+                    f"the run's lengths at Poisson {args.rate:g}/s")
     for _, s in [(changes, base), *settings]:
         if not isinstance(s, str):
-            check_fits(run.requests, s.cache)
+            check_fits(workload[0] if workload else run.requests, s.cache)
     model = _fit(db, run, args)
     report: dict[str, Any] = {"run": _run_view(run), "model": _model_view(model), "slo": _slo_view(args.slo)}
     status = 0
-    if args.rate is not None:
-        n = args.num_requests or len(run.requests)
-        requests = whatif.resample(run.requests, n, args.rate, args.seed)
-        counts = [args.replicas or 1] if not args.max_replicas else None
-        if counts is not None:
-            point = whatif.fleet(requests, counts[0], base, model, args.slo)
-            report["fleet"] = {"rate": args.rate, "requests": n, "setting": base.label,
-                               "points": [_fleet_view(point)], "recommended": None}
-        else:
-            points, best = whatif.size_fleet(requests, args.max_replicas, base, model, args.slo, args.attainment)
-            report["fleet"] = {"rate": args.rate, "requests": n, "setting": base.label, "attainment": args.attainment,
-                               "points": [_fleet_view(p) for p in points], "recommended": best}
+    if workload is not None:
+        report["workload"] = workload[1]
+    if args.replicas or args.max_replicas:
+        assert workload is not None  # --rate is required above
+        fleet: dict[str, Any] = {"rate": args.rate, "requests": len(workload[0]), "setting": base.label}
+        if args.max_replicas:
+            points, best = whatif.size_fleet(workload[0], args.max_replicas, base, model, args.slo, args.attainment)
+            fleet.update(attainment=args.attainment, recommended=best)
             status = 0 if best is not None else 1
+        else:
+            points = [whatif.fleet(workload[0], args.replicas, base, model, args.slo)]
+        report["fleet"] = {**fleet, "points": [_fleet_view(p) for p in points]}
     else:
-        outcomes = whatif.what_if(run, model, settings, args.slo)
-        report["recorded"] = _summary_view(run.summary.get("summary")) if run.summary else None
+        if workload is None:
+            outcomes = whatif.what_if(run, model, settings, args.slo)
+            report["recorded"] = _summary_view(run.summary.get("summary")) if run.summary else None
+        else:
+            outcomes = whatif.what_if(run, model, settings, args.slo, workload[0], args.concurrency)
+            report["recorded"] = None
         report["outcomes"] = [_outcome_view(o) for o in outcomes]
     report["elapsed_s"] = time.perf_counter() - started
     return report, status
+
+
+def _workload(args: argparse.Namespace) -> tuple[list[Any], str] | None:
+    """--workload's requests with their arrival times, and its description; None without it."""
+    from appliance.bench.cli import build_workload
+    from appliance.sim import whatif
+
+    if args.workload is None:
+        if args.file is not None:
+            raise ValueError("--file is only used with --workload jsonl")
+        return None
+    requests, description = build_workload(args)
+    return whatif.workload_requests(requests, args.rate, args.seed), description
 
 
 def _fit(db: str, run: Any, args: argparse.Namespace) -> Any:
@@ -251,7 +283,10 @@ def format_report(report: dict[str, Any]) -> str:
     else:
         lines.append("Latencies in ms" + (f"; SLO {slo}" if goodput else ""))
         lines.append(header)
-        lines.append(_row("recorded (measured)", report["recorded"], goodput))
+        if "workload" in report:
+            lines.append(f"Workload: {report['workload']}")
+        else:
+            lines.append(_row("recorded (measured)", report["recorded"], goodput))
         for i, o in enumerate(report["outcomes"]):
             name = ("simulated at the recorded knobs" if i == 0 else o["label"])
             lines.append(f"{name[:43]:<44}skipped: {o['skipped']}" if o["skipped"] else _row(name, o["summary"], goodput))

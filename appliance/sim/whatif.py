@@ -158,23 +158,28 @@ def fit_for_run(target: Any, run: RecordedRun, *, since: float | None = None, un
     return model
 
 
-def replay_run(run: RecordedRun, s: Scenario, timer: StepTimer, slo: SLO | None) -> ReplayResult:
-    """Replay a recorded run's requests under a scenario; a closed-loop run stays closed-loop."""
-    concurrency = run.arrival.get("concurrency") if run.arrival.get("mode") == "concurrency" else None
-    return replay(run.requests, s.knobs, s.cache, timer, slo=slo, concurrency=concurrency)
+def run_concurrency(run: RecordedRun) -> int | None:
+    """The run's closed-loop concurrency (None: open-loop arrivals)."""
+    return run.arrival.get("concurrency") if run.arrival.get("mode") == "concurrency" else None
 
 
 def what_if(run: RecordedRun, timer: StepTimer, settings: Sequence[tuple[dict[str, Any], Scenario | str]],
-            slo: SLO | None) -> list[Outcome]:
-    """The run replayed at its recorded knobs first, then at every setting (skipped ones kept)."""
+            slo: SLO | None, requests: Sequence[SimRequest] | None = None,
+            concurrency: int | None = None) -> list[Outcome]:
+    """`requests` (default: the run's own, closed-loop if the run was) replayed at the run's
+    recorded knobs first, then at every setting (skipped ones kept with their reason)."""
+    if requests is None:
+        requests, concurrency = run.requests, run_concurrency(run)
     base = Scenario({}, run.knobs, run.cache)
-    outcomes = [Outcome(base, base.label, replay_run(run, base, timer, slo))]
+    outcomes = [Outcome(base, base.label, replay(requests, base.knobs, base.cache, timer, slo=slo,
+                                                 concurrency=concurrency))]
     for changes, s in settings:
         label = ", ".join(f"{k}={v}" for k, v in changes.items())
         if isinstance(s, str):
             outcomes.append(Outcome(None, label, skipped=s))
         else:
-            outcomes.append(Outcome(s, label, replay_run(run, s, timer, slo)))
+            outcomes.append(Outcome(s, label, replay(requests, s.knobs, s.cache, timer, slo=slo,
+                                                     concurrency=concurrency)))
     return outcomes
 
 
