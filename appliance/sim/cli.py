@@ -21,6 +21,7 @@ from typing import Any
 
 from appliance.bench.metrics import SLO, Summary
 from appliance.bench.tune import DEFAULT_ATTAINMENT
+from appliance.numeric import ms_text
 
 METRICS = (  # (label, getter over a Summary as a dict); seconds shown in ms
     ("tok/s", lambda s: s["output_throughput"]),
@@ -100,10 +101,10 @@ def simulate_main(args: argparse.Namespace) -> int:
 def _simulate(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
     from appliance.sim import whatif
     from appliance.sim.records import load_run
+    from appliance.bench.cli import db_url
     from appliance.sim.replay import check_fits
-    from appliance.telemetry.store import DEFAULT_URL
 
-    db = args.db or DEFAULT_URL
+    db = db_url(args.db)
     if (args.replicas or args.max_replicas) and args.rate is None:
         raise ValueError("fleet sizing needs --rate R (requests/s the fleet must hold)")
     if args.concurrency is not None and (args.workload is None or args.rate is not None):
@@ -239,9 +240,9 @@ def timeline(iterations: list[Any], points: int = 300) -> dict[str, list[float]]
 
 
 def _cell(label: str, value: float | None) -> str:
-    if value is None:
-        return "-"
-    return f"{value:.1f}" if label == "tok/s" else f"{value * 1000:.1f}"
+    if label == "tok/s":
+        return "-" if value is None else f"{value:.1f}"
+    return ms_text(value, unit="")
 
 
 def _row(name: str, summary: dict[str, Any] | None, goodput: bool) -> str:
