@@ -19,11 +19,11 @@ import sys
 import time
 from typing import Any
 
-from appliance.bench.metrics import SLO, Summary
+from appliance.bench.metrics import SLO
 from appliance.bench.tune import DEFAULT_ATTAINMENT
 from appliance.numeric import ms_text
 
-METRICS = (  # (label, getter over a Summary as a dict); seconds shown in ms
+METRICS = (  # (label, getter over a run summary as a dict); seconds shown in ms
     ("tok/s", lambda s: s["output_throughput"]),
     ("TTFT p50", lambda s: s["ttft"]["p50"]), ("TTFT p99", lambda s: s["ttft"]["p99"]),
     ("TPOT p50", lambda s: s["tpot"]["p50"]),
@@ -147,7 +147,7 @@ def _simulate(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
     else:
         if workload is None:
             outcomes = whatif.what_if(run, model, settings, args.slo)
-            report["recorded"] = _summary_view(run.summary.get("summary")) if run.summary else None
+            report["recorded"] = run.summary.get("summary") if run.summary else None
         else:
             outcomes = whatif.what_if(run, model, settings, args.slo, workload[0], args.concurrency)
             report["recorded"] = None
@@ -204,12 +204,6 @@ def _model_view(model: Any) -> dict[str, Any]:
 
 def _slo_view(slo: SLO | None) -> dict[str, float] | None:
     return None if slo is None else slo.as_dict()
-
-
-def _summary_view(summary: Summary | dict[str, Any] | None) -> dict[str, Any] | None:
-    if summary is None:
-        return None
-    return summary.as_dict() if isinstance(summary, Summary) else summary
 
 
 def _outcome_view(o: Any) -> dict[str, Any]:
