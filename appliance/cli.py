@@ -1,4 +1,4 @@
-"""The `appliance` command: serve, generate, db, bench, report, tune."""
+"""The `appliance` command: serve, generate, db, bench, report, tune, simulate."""
 
 from __future__ import annotations
 
@@ -66,6 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_report_arguments(sub.add_parser("report", help="write a tuning report for stored runs"))
     add_tune_arguments(sub.add_parser("tune", help="sweep the knobs on a running server"))
+
+    from .sim.cli import add_simulate_arguments
+
+    add_simulate_arguments(sub.add_parser("simulate", help="predict a knob change, a grid or a fleet from a recorded run"))
     return parser
 
 
@@ -95,6 +99,10 @@ def main(argv: list[str] | None = None) -> int:
             from .bench.tune_cli import tune_main
 
             return tune_main(args)
+        if args.command == "simulate":
+            from .sim.cli import simulate_main
+
+            return simulate_main(args)
     except (ValueError, FileNotFoundError, RuntimeError) as exc:
         print(f"appliance {args.command}: error: {exc}", file=sys.stderr)
         return 2

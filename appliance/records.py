@@ -80,6 +80,9 @@ class IterationStats:
     finished: int = metric("requests that ended during this iteration", unit="requests", rollup=True)
     knob_version: int = metric("version of the knob set in force", rollup=True)
     policy: str = metric("scheduling policy in force", max_length=32)
+    decode_context_tokens: int | None = metric(
+        "tokens the decode rows attend to (each row's context and its new token); None on rows stored "
+        "before migration 0003", unit="tokens")
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -71,6 +71,7 @@ def main() -> int:
             finished=int(i % 50 == 0),
             knob_version=1 + i // 250_000,
             policy="continuous",
+            decode_context_tokens=0,
         )
         before = time.perf_counter()
         writer.on_iteration(stats)

@@ -181,3 +181,16 @@ def test_short_prompts_overtake_long_ones(make_engine):
     assert admitted.index("short-1") < admitted.index("long-2")
     assert admitted.index("short-2") < admitted.index("long-2")
     assert admitted[0] == "long-1"
+
+
+def test_iteration_stats_count_the_context_decode_rows_attend(make_engine, record_iterations):
+    # Two prompts of 5 and 9 tokens, budget large enough to prefill both in iteration 0; each
+    # later iteration's decode rows attend to prompt + outputs so far + the new token.
+    engine = make_engine(max_num_seqs=4, max_num_batched_tokens=64, long_prefill_token_threshold=64)
+    stats = record_iterations(engine)
+    for i, n in enumerate((5, 9)):
+        engine.add_request(f"r{i}", list(range(10, 10 + n)), SamplingParams(max_tokens=3, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    assert [s.decode_context_tokens for s in stats] == [0, (5 + 1) + (9 + 1), (5 + 2) + (9 + 2)]
+    assert [s.decode_seqs for s in stats] == [0, 2, 2]

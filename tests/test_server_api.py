@@ -10,6 +10,7 @@ import time
 import httpx
 import openai
 import pytest
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from appliance.engine.chat import encode_chat
@@ -476,7 +477,8 @@ def test_admin_views(http, live_server):
     knobs = http.get("/admin/knobs").json()
     assert set(knobs) >= {"knobs", "version", "iteration", "fixed"}
     assert knobs["fixed"] == {"block_size": 16, "num_blocks": 256, "kv_cache_tokens": 4096, "max_model_len": 4096,
-                              "model": MODEL, "device": "cpu", "dtype": "float32"}
+                              "model": MODEL, "device": "cpu", "dtype": "float32",
+                              "cpu_kernels": live_server.state.engine.cpu_kernels, "threads": torch.get_num_threads()}
     state = http.get("/admin/state").json()
     assert state["kv_blocks_total"] == 256 and state["replica_id"] == "test" and state["model"] == MODEL
     assert state["telemetry_rows_dropped"] == 0 and state["uptime_s"] > 0

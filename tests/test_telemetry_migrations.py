@@ -23,6 +23,7 @@ TABLES = {
     "runs",
     "run_requests",
     "telemetry_drops",
+    "step_time_models",
 }
 
 
@@ -43,8 +44,8 @@ def _tables_and_indexes(url: str) -> tuple[set[str], set[str]]:
 
 
 def test_revisions_are_linear_with_a_head() -> None:
-    assert store.revisions() == ["0002", "0001"]
-    assert store.head() == "0002"
+    assert store.revisions() == ["0003_step_time_models", "0002", "0001"]
+    assert store.head() == "0003_step_time_models"
     assert store.MIGRATIONS_DIR.name == "migrations" and (store.MIGRATIONS_DIR / "env.py").exists()
 
 
@@ -67,9 +68,16 @@ def test_downgrade_one_step_and_upgrade_again_keeps_data(url: str, tmp_path: Pat
             " VALUES ('r1', 'a', 'n', 'w', '{}', '{}', 1.0, 'running')"
         )
     store.downgrade(url, "-1")
+    assert store.current(url) == "0002"
+    tables, _ = _tables_and_indexes(url)
+    assert tables == TABLES - {"step_time_models"}
+    with sqlite3.connect(tmp_path / "appliance.db") as raw:
+        columns = {row[1] for row in raw.execute("PRAGMA table_info(iterations)")}
+    assert "decode_context_tokens" not in columns and "decode_tokens" in columns
+    store.downgrade(url, "-1")
     assert store.current(url) == "0001"
     tables, indexes = _tables_and_indexes(url)
-    assert tables == TABLES and not {i for i in indexes if i.startswith("ix_")}
+    assert tables == TABLES - {"step_time_models"} and not {i for i in indexes if i.startswith("ix_")}
     store.upgrade(url)
     assert store.current(url) == store.head()
     with sqlite3.connect(tmp_path / "appliance.db") as raw:

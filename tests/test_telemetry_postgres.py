@@ -157,6 +157,7 @@ def _iteration(i: int, t: float, running: int) -> IterationStats:
         finished=0,
         knob_version=1,
         policy="continuous",
+        decode_context_tokens=0,
     )
 
 

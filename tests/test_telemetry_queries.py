@@ -37,6 +37,7 @@ def _iteration(i: int, t: float, running: int, replica_waiting: int = 0) -> Iter
         finished=0,
         knob_version=1,
         policy="continuous",
+        decode_context_tokens=0,
     )
 
 

@@ -76,6 +76,7 @@ class SweepPoint:
     goodput: float | None = None  # requests/s within the SLO
     attainment: float | None = None  # share of the workload's requests within the SLO
     meets_slo: bool = False
+    predicted: dict[str, float | None] | None = None  # the simulator's figures (tune --simulate), same names
 
     @property
     def label(self) -> str:
@@ -175,6 +176,7 @@ async def sweep(
     cancel: threading.Event | None = None,
     on_point: Callable[[SweepPoint], None] | None = None,
     on_generator: Callable[[LoadGenerator], None] | None = None,
+    points: Sequence[dict[str, int]] | None = None,
 ) -> SweepResult:
     """Sweep the grid on the server at `base_url` (see the module docstring).
 
@@ -182,6 +184,8 @@ async def sweep(
     stops the sweep after the current point (the original knobs are restored). `on_point` sees
     each point as it is added (the sweep fills it in as it measures it); `on_generator` sees
     each point's load generator before its run (to follow its progress, or cancel it mid-point).
+    `points` replaces the grid with these settings, measured in order without refinement (the
+    simulator's top picks, `appliance tune --simulate`).
     """
     if not 0 < attainment <= 1:
         raise ValueError(f"attainment must be within (0, 1], got {attainment}")
@@ -210,7 +214,7 @@ async def sweep(
         result = SweepResult([], slo, attainment, original, workload=workload)
         applied = False
         try:
-            stages = [("coarse", grid.points())]
+            stages = [("coarse", grid.points())] if points is None else [("simulated", list(points))]
             while stages:
                 stage, todo = stages.pop(0)
                 for knobs in todo:
@@ -224,7 +228,7 @@ async def sweep(
                         on_point(point)
                     await _measure(client, point, current, next_generator, slo, attainment, db_url, workload)
                     say(f"[{len(result.points)}] {stage} {point.label}: {_describe(point)}")
-                if stage == "coarse" and refine:
+                if stage == "coarse" and refine and points is None:
                     best = _best(result.points)
                     if best is not None:
                         stages.append(("refine", refine_points(grid, result.points[best].knobs)))

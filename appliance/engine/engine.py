@@ -22,7 +22,15 @@ from .model_runner import ModelRunner, kv_cache_spec
 from .sampling import InvalidRequestError, SamplingParams, make_generator, sample
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Sequence, Status
-from .stats import FinishReason, IterationStats, KnobChange, RequestStats, StatsSink
+from .stats import (
+    FinishReason,
+    IterationStats,
+    KnobChange,
+    RequestStats,
+    StatsSink,
+    decode_context_tokens,
+    iteration_stats,
+)
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +74,7 @@ class LLMEngine:
                 f"{self.loaded.model.config.max_position_embeddings}, KV cache {capacity} tokens"
             )
         self.max_model_len = config.max_model_len or limit
+        self.cpu_kernels = self.runner.decode_kernel is not None  # in effect (built and supported)
         self.scheduler = Scheduler(self.block_manager, config.knobs)
         self.knob_version = 0
         self.knob_iteration = 0
@@ -206,6 +215,7 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return outputs
+        context = decode_context_tokens(sched)
         try:
             outputs.extend(self._postprocess(sched, self.runner.execute(sched)))
         except Exception as exc:  # the model or sampler failed: end this batch's requests, keep serving
@@ -214,7 +224,7 @@ class LLMEngine:
                 if not item.seq.is_finished:
                     self._finish(item.seq, FinishReason.ERROR, error=f"internal error in the model: {type(exc).__name__}")
                 outputs.append(self._output(item.seq, [], ""))
-        self._publish(sched, started, time.perf_counter() - t0, sum(o.finished for o in outputs))
+        self._publish(sched, started, time.perf_counter() - t0, sum(o.finished for o in outputs), context)
         return outputs
 
     def generate(self, prompts: list[str | list[int]], params: SamplingParams) -> list[RequestOutput]:
@@ -322,23 +332,11 @@ class LLMEngine:
             metrics=seq.stats,
         )
 
-    def _publish(self, sched: SchedulerOutput, started: float, duration: float, finished: int) -> None:
-        prefill = [s for s in sched.scheduled if s.is_prefill]
-        decode_tokens = sum(s.num_tokens for s in sched.scheduled if not s.is_prefill)
-        prefill_tokens = sum(s.num_tokens for s in prefill)
-        bm = self.block_manager
-        knobs = self.knobs
-        stats = IterationStats(
-            iteration=self.iteration, started_at=started, duration_s=duration,
-            running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
-            prefill_seqs=len(prefill), prefill_tokens=prefill_tokens,
-            decode_seqs=len(sched.scheduled) - len(prefill), decode_tokens=decode_tokens,
-            scheduled_tokens=prefill_tokens + decode_tokens, padding_tokens=sched.padding_rows,
-            token_budget=knobs.max_num_batched_tokens, max_num_seqs=knobs.max_num_seqs,
-            kv_blocks_used=bm.num_used_blocks, kv_blocks_free=bm.num_free_blocks,
-            kv_blocks_total=bm.num_blocks, preemptions=len(sched.preempted), finished=finished,
-            knob_version=self.knob_version, policy=knobs.scheduling_policy,
-        )
+    def _publish(self, sched: SchedulerOutput, started: float, duration: float, finished: int,
+                 context: int) -> None:
+        stats = iteration_stats(sched, self.scheduler, iteration=self.iteration, started_at=started,
+                                duration_s=duration, finished=finished, decode_context_tokens=context,
+                                knob_version=self.knob_version)
         self.last_stats = stats
         self.iteration += 1
         for sink in self.sinks:

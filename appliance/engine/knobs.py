@@ -61,23 +61,7 @@ def validate_knobs(values: Mapping[str, Any], only: set[str] | None = None) -> d
     Type and range errors are reported for each field; cross-field rules are reported on the
     field(s) that changed when `only` is given, so the operator sees what to fix.
     """
-    errors: dict[str, str] = {}
-    int_limits = {
-        "max_num_seqs": MAX_NUM_SEQS_LIMIT,
-        "max_num_batched_tokens": MAX_BATCHED_TOKENS_LIMIT,
-        "long_prefill_token_threshold": MAX_BATCHED_TOKENS_LIMIT,
-        "max_num_partial_prefills": MAX_NUM_SEQS_LIMIT,
-        "max_long_partial_prefills": MAX_NUM_SEQS_LIMIT,
-    }
-    for name, ceiling in int_limits.items():
-        value = values.get(name)
-        if not is_int(value):
-            errors[name] = f"must be an integer, got {value!r}"
-        elif not 1 <= value <= ceiling:
-            errors[name] = f"must be between 1 and {ceiling}, got {value}"
-    policy = values.get("scheduling_policy")
-    if policy not in POLICIES:
-        errors["scheduling_policy"] = f"must be one of {', '.join(POLICIES)}, got {policy!r}"
+    errors = field_errors({name: values.get(name) for name in Knobs.names()})
     if errors:
         return errors
 
@@ -105,4 +89,29 @@ def validate_knobs(values: Mapping[str, Any], only: set[str] | None = None) -> d
             f"max_long_partial_prefills ({long_partial}) must be <= "
             f"max_num_partial_prefills ({partial})"
         )
+    return errors
+
+
+def field_errors(values: Mapping[str, Any]) -> dict[str, str]:
+    """Type and range problems of the knobs present in `values`, each on its own (no cross-field
+    rules): {field: message}."""
+    errors: dict[str, str] = {}
+    int_limits = {
+        "max_num_seqs": MAX_NUM_SEQS_LIMIT,
+        "max_num_batched_tokens": MAX_BATCHED_TOKENS_LIMIT,
+        "long_prefill_token_threshold": MAX_BATCHED_TOKENS_LIMIT,
+        "max_num_partial_prefills": MAX_NUM_SEQS_LIMIT,
+        "max_long_partial_prefills": MAX_NUM_SEQS_LIMIT,
+    }
+    for name, ceiling in int_limits.items():
+        if name not in values:
+            continue
+        value = values[name]
+        if not is_int(value):
+            errors[name] = f"must be an integer, got {value!r}"
+        elif not 1 <= value <= ceiling:
+            errors[name] = f"must be between 1 and {ceiling}, got {value}"
+    policy = values.get("scheduling_policy")
+    if "scheduling_policy" in values and policy not in POLICIES:
+        errors["scheduling_policy"] = f"must be one of {', '.join(POLICIES)}, got {policy!r}"
     return errors

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .block_manager import BlockManager
@@ -45,9 +46,13 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, knobs: Knobs):
+    """`clock` stamps `first_scheduled` (wall clock by default; the simulator passes its virtual
+    clock)."""
+
+    def __init__(self, block_manager: BlockManager, knobs: Knobs, clock: Callable[[], float] = time.time):
         self.block_manager = block_manager
         self.knobs = knobs
+        self.clock = clock
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
         self._static_finished_members = 0  # padding rows of the current static batch
@@ -112,7 +117,7 @@ class Scheduler:
             out.padding_rows = self._static_finished_members
         elif not out.preempted:
             self._admit(out, budget, chunk)
-        now = time.time()
+        now = self.clock()
         for item in out.scheduled:
             if item.seq.first_scheduled is None:
                 item.seq.first_scheduled = now

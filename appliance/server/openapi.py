@@ -137,7 +137,8 @@ def build_openapi(model: str, max_model_len: int, vocab_size: int, auth: bool) -
             "fixed": {"type": "object", "properties": {
                 "block_size": {"type": "integer"}, "num_blocks": {"type": "integer"},
                 "kv_cache_tokens": {"type": "integer"}, "max_model_len": {"type": "integer"},
-                "model": {"type": "string"}, "device": {"type": "string"}, "dtype": {"type": "string"}}}}},
+                "model": {"type": "string"}, "device": {"type": "string"}, "dtype": {"type": "string"},
+                "cpu_kernels": {"type": "boolean"}, "threads": {"type": "integer"}}}}},
         "KnobHistory": {"type": "object", "required": ["data"], "properties": {"data": {"type": "array", "items": {
             "type": "object", "required": ["version", "iteration", "applied_at", "old", "new", "source"],
             "properties": {"version": {"type": "integer"}, "iteration": {"type": "integer"},

@@ -10,6 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol, TypeVar
 
+import torch
+
 from ..engine import AsyncEngine, IterationStats, KnobChange, LLMEngine, RequestStats
 from .errors import APIError
 from .metrics import ServerMetrics
@@ -134,6 +136,8 @@ class AppState:
             "model": self.model_name,
             "device": str(self.engine.device),
             "dtype": str(self.engine.loaded.dtype).removeprefix("torch."),
+            "cpu_kernels": self.engine.cpu_kernels,
+            "threads": torch.get_num_threads(),
         }
 
     def knobs_view(self) -> dict[str, Any]:

@@ -171,3 +171,31 @@ class TelemetryDrop(Base):
     replica_id: Mapped[str] = mapped_column(String(64))
     at: Mapped[float] = mapped_column(Double)
     count: Mapped[int] = mapped_column(Integer)
+
+
+class StepTimeModelRow(Base):
+    """One fitted step-time model (appliance.sim.fit): seconds per iteration as a linear function
+    of the iteration's composition, for one engine configuration (the key), fitted on the
+    iterations of one replica in [window_start, window_end]."""
+
+    __tablename__ = "step_time_models"
+    __table_args__ = (Index("ix_step_time_models_key", "model", "dtype", "device", "fitted_at"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    model: Mapped[str] = mapped_column(String(200))
+    dtype: Mapped[str] = mapped_column(String(32))
+    device: Mapped[str] = mapped_column(String(64))
+    cpu_kernels: Mapped[bool | None] = mapped_column(Boolean)  # None: not recorded
+    threads: Mapped[int | None] = mapped_column(Integer)  # None: not recorded
+    replica_id: Mapped[str] = mapped_column(String(64))
+    run_id: Mapped[str | None] = mapped_column(String(36))  # fitted on a run's window, if so
+    window_start: Mapped[float] = mapped_column(Double)
+    window_end: Mapped[float] = mapped_column(Double)
+    method: Mapped[str] = mapped_column(String(32))
+    coefficients: Mapped[dict[str, Any]]  # feature name (and "intercept") -> seconds per unit
+    gap_s: Mapped[float] = mapped_column(Double)  # engine-loop time between back-to-back iterations
+    rows_used: Mapped[int] = mapped_column(Integer)
+    rows_held_out: Mapped[int] = mapped_column(Integer)
+    heldout_mape: Mapped[float] = mapped_column(Double)  # mean absolute percentage error, 0..1
+    heldout_mae_s: Mapped[float] = mapped_column(Double)
+    fitted_at: Mapped[float] = mapped_column(Double)

@@ -44,6 +44,27 @@ def summary_lines(result: SweepResult) -> list[str]:
     return lines
 
 
+PREDICTED_HEADERS = ["Point", "Output tok/s (sim / live)", "TTFT P99 ms (sim / live)", "ITL P99 ms (sim / live)",
+                     "Goodput req/s (sim / live)", "Within SLO (sim / live)"]
+
+
+def predicted_rows(result: SweepResult) -> list[list[str]]:
+    """Predicted beside measured, for the points `appliance tune --simulate` measured live."""
+    def pair(predicted: float | None, measured: float | None, scale: float = 1.0, digits: int = 1) -> str:
+        cell = lambda v: "-" if v is None else f"{v * scale:.{digits}f}"  # noqa: E731
+        return f"{cell(predicted)} / {cell(measured)}"
+
+    rows = []
+    for p in result.points:
+        if p.predicted is None:
+            continue
+        sim = p.predicted
+        rows.append([p.label, pair(sim["output_throughput"], p.output_throughput),
+                     pair(sim["ttft_p99"], p.ttft_p99, 1000, 0), pair(sim["itl_p99"], p.itl_p99, 1000, 0),
+                     pair(sim["goodput"], p.goodput, 1, 2), pair(sim["attainment"], p.attainment, 100, 0)])
+    return rows
+
+
 def _rows(result: SweepResult) -> list[list[str]]:
     def cell(value: float | None, scale: float = 1.0, digits: int = 2) -> str:
         return "-" if value is None else f"{value * scale:.{digits}f}"
@@ -83,6 +104,8 @@ def render_sweep(result: SweepResult, fmt: str) -> str:
     if name == "md":
         out = [f"# {TITLE}: {result.workload}\n", *[f"- {line}" for line in summary_lines(result)], "",
                md_table((HEADERS, _rows(result)))]
+        if predicted_rows(result):
+            out += ["## Predicted vs measured\n", md_table((PREDICTED_HEADERS, predicted_rows(result)))]
         runs = [p.run_id for p in result.points if p.run_id]
         if runs:
             out.append(f"Compare stored points with `appliance report {' '.join(runs[:4])} ...`.\n")
@@ -99,6 +122,9 @@ def _html(result: SweepResult) -> str:
     page.add(f'<div class="grid">{"".join(charts)}</div>')
     page.heading(2, "Grid points")
     page.add(h.table(HEADERS, _rows(result)))
+    if predicted_rows(result):
+        page.heading(2, "Predicted vs measured")
+        page.add(h.table(PREDICTED_HEADERS, predicted_rows(result)))
     return page.render()
 
 

@@ -1,0 +1,188 @@
+"""The step-time model: seconds per engine iteration from what the iteration computed.
+
+An iteration's cost follows its composition: decode rows (each a matmul row; static padding
+rows count), prefill tokens, prefill chunks (each a separate attention call), and the context
+tokens the decode rows attend to (attention reads every cached token), plus a fixed cost per
+step. Candidate least-squares fits (plain, non-negative, relative-error weighted) are compared on
+held-out iterations and the one with the lowest held-out error is kept. A model is valid for one
+engine configuration (its `EngineKey`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+FEATURES = ("decode_rows", "prefill_tokens", "prefill_seqs", "decode_context_tokens")
+INTERCEPT = "intercept"
+MIN_ROWS = 20  # fewer iterations than this cannot pin down five coefficients and a held-out error
+HOLDOUT_EVERY = 5  # every 5th iteration (in time order) is held out
+MIN_STEP_S = 1e-5  # a prediction never goes below this (a step always costs something)
+
+
+class FitError(ValueError):
+    """The iterations cannot support a fit (too few, or missing the needed metrics)."""
+
+
+@dataclass(frozen=True)
+class EngineKey:
+    """What changes the cost of a step: the model, its dtype and device, the CPU kernels, threads."""
+
+    model: str
+    dtype: str
+    device: str
+    cpu_kernels: bool | None = None  # None: not recorded (runs stored before the field existed)
+    threads: int | None = None
+
+    @classmethod
+    def from_fixed(cls, fixed: Mapping[str, Any]) -> "EngineKey":
+        """From GET /admin/knobs' "fixed" settings (as stored with every run)."""
+        missing = [k for k in ("model", "dtype", "device") if not fixed.get(k)]
+        if missing:
+            raise FitError(f"the engine's fixed settings lack {', '.join(missing)}: cannot key a step-time model")
+        return cls(str(fixed["model"]), str(fixed["dtype"]), str(fixed["device"]),
+                   fixed.get("cpu_kernels"), fixed.get("threads"))
+
+    def __str__(self) -> str:
+        kernels = {True: "kernels on", False: "kernels off", None: "kernels ?"}[self.cpu_kernels]
+        threads = "threads ?" if self.threads is None else f"{self.threads} threads"
+        return f"{self.model} {self.dtype} on {self.device}, {kernels}, {threads}"
+
+
+@dataclass(frozen=True)
+class Composition:
+    """What one iteration computes (the model's inputs)."""
+
+    decode_rows: int
+    prefill_tokens: int
+    prefill_seqs: int
+    decode_context_tokens: int
+
+    def vector(self) -> list[float]:
+        return [float(getattr(self, name)) for name in FEATURES]
+
+
+def composition_of(row: Mapping[str, Any]) -> Composition:
+    """The composition of a stored iteration row (decode rows include static padding rows)."""
+    return Composition(int(row["decode_seqs"]) + int(row.get("padding_tokens") or 0), int(row["prefill_tokens"]),
+                       int(row["prefill_seqs"]), int(row["decode_context_tokens"]))
+
+
+@dataclass
+class StepTimeModel:
+    """A fitted model: step seconds = intercept + sum(coefficient * feature), and the engine-loop
+    gap between back-to-back iterations."""
+
+    key: EngineKey
+    coefficients: dict[str, float]  # INTERCEPT and every name in FEATURES
+    gap_s: float
+    method: str
+    rows_used: int
+    rows_held_out: int
+    heldout_mape: float  # mean absolute percentage error on the held-out iterations, 0..1
+    heldout_mae_s: float
+    replica_id: str = ""
+    run_id: str | None = None
+    window_start: float = 0.0
+    window_end: float = 0.0
+    fitted_at: float = field(default_factory=time.time)
+    id: int | None = None  # row id once stored
+
+    def predict(self, c: Composition) -> float:
+        """Seconds one iteration of this composition takes."""
+        total = self.coefficients[INTERCEPT] + sum(self.coefficients[n] * v for n, v in zip(FEATURES, c.vector()))
+        return max(MIN_STEP_S, total)
+
+    def step(self, c: Composition) -> tuple[float, float]:
+        """(step seconds, gap before the next step): the replay's step timer interface."""
+        return self.predict(c), self.gap_s
+
+    def as_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["key"] = asdict(self.key)
+        return out
+
+
+def fit_step_time(
+    rows: Sequence[Mapping[str, Any]],
+    key: EngineKey,
+    *,
+    replica_id: str = "",
+    run_id: str | None = None,
+) -> StepTimeModel:
+    """Fit a StepTimeModel to iteration rows (dicts with the `iterations` columns, in time order).
+
+    Rows without `decode_context_tokens` (stored before that metric existed) are skipped. Raises
+    FitError naming the count when fewer than MIN_ROWS usable rows remain.
+    """
+    usable = [r for r in rows if r.get("decode_context_tokens") is not None and r["duration_s"] > 0]
+    if len(usable) < MIN_ROWS:
+        skipped = len(rows) - len(usable)
+        note = f" ({skipped} lack decode_context_tokens or a duration)" if skipped else ""
+        raise FitError(f"{len(usable)} usable iterations{note}: a step-time fit needs at least {MIN_ROWS}")
+    X = np.array([[1.0, *composition_of(r).vector()] for r in usable])
+    y = np.array([float(r["duration_s"]) for r in usable])
+    held = np.zeros(len(usable), dtype=bool)
+    held[HOLDOUT_EVERY - 1 :: HOLDOUT_EVERY] = True
+    best: tuple[float, str, np.ndarray] | None = None
+    for method, solve in _METHODS.items():
+        beta = solve(X[~held], y[~held])
+        mape = float(np.mean(np.abs(_predict(X[held], beta) - y[held]) / y[held]))
+        if best is None or mape < best[0]:
+            best = (mape, method, beta)
+    assert best is not None
+    mape, method, beta = best
+    mae = float(np.mean(np.abs(_predict(X[held], beta) - y[held])))
+    names = (INTERCEPT, *FEATURES)
+    started = [float(r["started_at"]) for r in usable]
+    return StepTimeModel(
+        key=key, coefficients={n: float(b) for n, b in zip(names, beta)}, gap_s=loop_gap(rows),
+        method=method, rows_used=int((~held).sum()), rows_held_out=int(held.sum()), heldout_mape=mape,
+        heldout_mae_s=mae, replica_id=replica_id, run_id=run_id, window_start=min(started),
+        window_end=max(s + float(r["duration_s"]) for s, r in zip(started, usable)),
+    )
+
+
+def loop_gap(rows: Sequence[Mapping[str, Any]]) -> float:
+    """Median seconds from one iteration's end to the next one's start while the engine had work
+    left (running or waiting after it): the engine loop's own time between steps. 0 if unknown."""
+    gaps = [
+        float(b["started_at"]) - float(a["started_at"]) - float(a["duration_s"])
+        for a, b in zip(rows, rows[1:])
+        if b["iteration"] == a["iteration"] + 1 and a["running"] + a["waiting"] > 0
+    ]
+    return max(0.0, float(np.median(gaps))) if gaps else 0.0
+
+
+def _predict(X: np.ndarray, beta: np.ndarray) -> np.ndarray:
+    return np.maximum(X @ beta, MIN_STEP_S)
+
+
+def _ols(X: np.ndarray, y: np.ndarray, w: np.ndarray | None = None) -> np.ndarray:
+    if w is not None:
+        X, y = X * w[:, None], y * w
+    return np.linalg.lstsq(X, y, rcond=None)[0]
+
+
+def _nonneg(X: np.ndarray, y: np.ndarray, w: np.ndarray | None = None) -> np.ndarray:
+    """Least squares with every coefficient >= 0: refit without the negative ones until none is."""
+    active = np.ones(X.shape[1], dtype=bool)
+    beta = np.zeros(X.shape[1])
+    while active.any():
+        beta = np.zeros(X.shape[1])
+        beta[active] = _ols(X[:, active], y, w)
+        if (beta >= 0).all():
+            break
+        active &= beta > 0
+    return np.maximum(beta, 0.0)
+
+
+_METHODS = {
+    "least_squares": _ols,
+    "nonnegative": _nonneg,
+    "relative_nonnegative": lambda X, y: _nonneg(X, y, 1.0 / y),  # minimises relative error
+}
