@@ -110,7 +110,7 @@ def server_options(settings: dict[str, Any], args: argparse.Namespace) -> dict[s
         raise ValueError(f"--db must be a SQLAlchemy URL, got {db!r}")
     retention = settings.get("telemetry_retention")
     if retention is not None:
-        from ..telemetry.writer import parse_retention
+        from ..telemetry.retention import parse_retention
 
         if not isinstance(retention, str):
             raise ValueError(f"--telemetry-retention must be text like '7d', got {retention!r}")

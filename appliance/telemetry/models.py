@@ -45,6 +45,18 @@ def metric_columns(metrics: tuple[Metric, ...]) -> list[Column]:
     return [Column(m.name, _sql_type(m), nullable=m.nullable) for m in metrics]
 
 
+def _record_table(name: str, metrics: tuple[Metric, ...], *indexes: Index) -> Table:
+    """The table of one kind of engine record: an id, the writer's replica_id, its fields."""
+    return Table(
+        name,
+        Base.metadata,
+        Column("id", BigId, primary_key=True, autoincrement=True),
+        Column("replica_id", String(64), nullable=False),
+        *metric_columns(metrics),
+        *indexes,
+    )
+
+
 def _sql_type(m: Metric) -> Any:
     if m.type is float:
         return Double()
@@ -56,12 +68,9 @@ def _sql_type(m: Metric) -> Any:
 class Iteration(Base):
     """One engine iteration (IterationStats + replica_id)."""
 
-    __table__ = Table(
+    __table__ = _record_table(
         "iterations",
-        Base.metadata,
-        Column("id", BigId, primary_key=True, autoincrement=True),
-        Column("replica_id", String(64), nullable=False),
-        *metric_columns(ITERATION_METRICS),
+        ITERATION_METRICS,
         Index("ix_iterations_replica_started", "replica_id", "started_at"),
         Index("ix_iterations_started", "started_at"),
     )
@@ -84,12 +93,9 @@ iteration_rollups = Table(
 class Request(Base):
     """One finished request as the server saw it (RequestStats + replica_id)."""
 
-    __table__ = Table(
+    __table__ = _record_table(
         "requests",
-        Base.metadata,
-        Column("id", BigId, primary_key=True, autoincrement=True),
-        Column("replica_id", String(64), nullable=False),
-        *metric_columns(REQUEST_METRICS),
+        REQUEST_METRICS,
         Index("ix_requests_replica_finished", "replica_id", "finished"),
         Index("ix_requests_finished", "finished"),
         Index("ix_requests_run", "run_id"),

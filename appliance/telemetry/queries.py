@@ -19,8 +19,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Double, bindparam, func, select
-from sqlalchemy.engine import Connection, Engine
+from sqlalchemy import ColumnElement, Double, bindparam, func, select
+from sqlalchemy.engine import Connection, CursorResult, Engine
 
 from appliance.numeric import percentile
 from appliance.records import COMPLETED_REASONS, RunStatus
@@ -127,16 +127,9 @@ def _raw_series(
     offset = (it.c.started_at - bindparam("since", since, Double)) / bindparam("width", width, Double)
     bucket = floor_int(offset, conn.dialect.name).label("b")
     aggregates = [agg for c in columns for agg in (func.min(it.c[c]), func.max(it.c[c]), func.sum(it.c[c]))]
-    query = (
-        select(bucket, func.count(), *aggregates)
-        .where(it.c.started_at >= since, it.c.started_at < until)
-        .group_by(bucket)
-        .order_by(bucket)
-    )
-    if replica_id is not None:
-        query = query.where(it.c.replica_id == replica_id)
+    rows = _buckets(conn, bucket, func.count(), aggregates, it.c.started_at, since, until, replica_id)
     merged: dict[str, dict[int, list[float]]] = {c: {} for c in columns}
-    for b, n, *stats in conn.execute(query):
+    for b, n, *stats in rows:
         b = min(int(b), points - 1)  # a value just below `until` may round into bucket `points`
         for i, column in enumerate(columns):
             lo, hi, total = stats[3 * i:3 * i + 3]
@@ -159,20 +152,28 @@ def _rollup_series(
     bucket = floor_int(offset, conn.dialect.name).label("b")
     aggregates = [agg for c in columns for agg in (
         func.min(ru.c[f"{c}_min"]), func.max(ru.c[f"{c}_max"]), func.sum(ru.c[f"{c}_sum"]))]
-    query = (
-        select(bucket, func.sum(ru.c.n), *aggregates)
-        .where(ru.c.second >= origin, ru.c.second < end)
-        .group_by(bucket)
-        .order_by(bucket)
-    )
-    if replica_id is not None:
-        query = query.where(ru.c.replica_id == replica_id)
+    rows = _buckets(conn, bucket, func.sum(ru.c.n), aggregates, ru.c.second, origin, end, replica_id)
     merged: dict[str, dict[int, list[float]]] = {c: {} for c in columns}
-    for b, n, *stats in conn.execute(query):
+    for b, n, *stats in rows:
         for i, column in enumerate(columns):
             merged[column][int(b)] = [n, *stats[3 * i:3 * i + 3]]
     return {c: Series(c, float(origin), float(end), float(width), "rollup", _points(merged[c], origin, width))
             for c in columns}
+
+
+def _buckets(conn: Connection, bucket: ColumnElement, count: ColumnElement, aggregates: list[ColumnElement],
+             time_column: Any, lo: float, hi: float, replica_id: str | None) -> CursorResult[Any]:
+    """(bucket, count, *aggregates) rows of `time_column`'s table with lo <= time < hi (of one
+    replica, or all), one per bucket, in bucket order."""
+    query = (
+        select(bucket, count, *aggregates)
+        .where(time_column >= lo, time_column < hi)
+        .group_by(bucket)
+        .order_by(bucket)
+    )
+    if replica_id is not None:
+        query = query.where(time_column.table.c.replica_id == replica_id)
+    return conn.execute(query)
 
 
 def _points(merged: dict[int, list[float]], origin: float, width: float) -> list[SeriesPoint]:
