@@ -181,3 +181,17 @@ def test_short_prompts_overtake_long_ones(make_engine):
     assert admitted.index("short-1") < admitted.index("long-2")
     assert admitted.index("short-2") < admitted.index("long-2")
     assert admitted[0] == "long-1"
+
+
+def test_refusals_say_why_with_a_code(make_engine):
+    from appliance.engine.validation import RequestErrorCode
+
+    engine = make_engine(max_model_len=64)
+    cases = [([5] * 60, SamplingParams(max_tokens=10), RequestErrorCode.CONTEXT_LENGTH_EXCEEDED),
+             ([5], SamplingParams(max_tokens=True), RequestErrorCode.INVALID_TYPE),
+             ([5], SamplingParams(top_p=2.0), RequestErrorCode.INVALID_VALUE)]
+    for prompt, params, code in cases:
+        with pytest.raises(InvalidRequestError) as err:
+            engine.add_request("x", prompt, params)
+        assert err.value.code is code, err.value.message
+    assert not engine.has_unfinished()

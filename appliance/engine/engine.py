@@ -69,7 +69,7 @@ class LLMEngine:
             )
         self.max_model_len = config.max_model_len or limit
         self.knob_state = KnobState(config.knobs)  # the one owner of the knobs, their version and history
-        self.scheduler = Scheduler(self.block_manager, self.knob_state)
+        self.scheduler = Scheduler(self.block_manager, self.knob_state.knobs)  # told of each change
         self.iteration = 0
         self.sinks: list[StatsSink] = []
         self._seqs: dict[str, Sequence] = {}
@@ -193,6 +193,7 @@ class LLMEngine:
         or None when it changes nothing (no new version)."""
         change = self.knob_state.apply(update, self.iteration)
         if change is not None:
+            self.scheduler.knobs = self.knob_state.knobs
             for sink in self.sinks:
                 sink.on_knob_change(change)
         return change

@@ -18,7 +18,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from .block_manager import BlockManager
-from .knobs import Knobs, KnobState
+from .knobs import Knobs
 from .sequence import Sequence, Status
 
 
@@ -45,17 +45,12 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, knob_state: KnobState):
+    def __init__(self, block_manager: BlockManager, knobs: Knobs):
         self.block_manager = block_manager
-        self.knob_state = knob_state
+        self.knobs = knobs
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
         self._static_finished_members = 0  # padding rows of the current static batch
-
-    @property
-    def knobs(self) -> Knobs:
-        """The knobs in force (the engine changes them only between iterations)."""
-        return self.knob_state.knobs
 
     # -- queue management ---------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:

@@ -45,7 +45,7 @@ def show(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def where(loc: Location) -> str:
+def _where(loc: Location) -> str:
     """('messages', 0, 'role') -> 'messages[0].role'."""
     text = ""
     for part in loc:
@@ -91,7 +91,7 @@ def problems(
             detail = f"must be {descriptions[param]}, got {show(first['input'])}"
         else:
             detail = "; ".join(_sentence(e["loc"][len(loc):], e) for e in errors)
-        found.append(Problem(param, _join(where(loc), detail), detail, code))
+        found.append(Problem(param, _join(_where(loc), detail), detail, code))
     return found
 
 
@@ -109,7 +109,7 @@ def _sentence(loc: Location, error: dict[str, Any]) -> str:
     else:
         text = error["msg"][:1].lower() + error["msg"][1:]
         text += f", got {show(error['input'])}" if error["type"] != "too_long" else ""
-    return _join(where(loc), text)
+    return _join(_where(loc), text)
 
 
 def _common_prefix(locs: list[Location]) -> Location:
