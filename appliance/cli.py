@@ -5,8 +5,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .policies import POLICIES
-
 
 def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """Model and engine flags shared by `serve` and `generate` (vLLM's names)."""
@@ -19,17 +17,28 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     kv.add_argument("--num-blocks", type=int, default=None, help="KV cache size in blocks")
     parser.add_argument("--gpu-memory-utilization", type=float, default=None)
     parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--max-num-seqs", type=int, default=None)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
-    parser.add_argument("--long-prefill-token-threshold", type=int, default=None, help="prefill chunk size")
-    parser.add_argument("--max-num-partial-prefills", type=int, default=None)
-    parser.add_argument("--max-long-partial-prefills", type=int, default=None)
-    parser.add_argument("--scheduling-policy", default=None, choices=POLICIES)
+    _add_knob_arguments(parser)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--cpu-kernels", action=argparse.BooleanOptionalAction, default=None,
                         help="C kernels on the CPU (decode attention over the paged cache, the layers' elementwise "
                              "ops), built with gcc at first start; --no-cpu-kernels runs torch alone")
     parser.add_argument("--config", default=None, help="TOML file (e.g. configs/cpu.toml); flags override it")
+
+
+def _add_knob_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per knob (--max-num-seqs ...), from the knobs' own declaration."""
+    from typing import get_args
+
+    from .engine.knobs import Knobs
+
+    for name, field in Knobs.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        if field.annotation is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=field.description)
+            continue
+        choices = get_args(field.annotation) or None  # a Literal's values
+        parser.add_argument(flag, default=None, choices=choices, type=None if choices else field.annotation,
+                            help=field.description)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -194,3 +194,17 @@ def test_iteration_stats_count_the_context_decode_rows_attend(make_engine, recor
         engine.step()
     assert [s.decode_context_tokens for s in stats] == [0, (5 + 1) + (9 + 1), (5 + 2) + (9 + 2)]
     assert [s.decode_seqs for s in stats] == [0, 2, 2]
+
+
+def test_refusals_say_why_with_a_code(make_engine):
+    from appliance.engine.validation import RequestErrorCode
+
+    engine = make_engine(max_model_len=64)
+    cases = [([5] * 60, SamplingParams(max_tokens=10), RequestErrorCode.CONTEXT_LENGTH_EXCEEDED),
+             ([5], SamplingParams(max_tokens=True), RequestErrorCode.INVALID_TYPE),
+             ([5], SamplingParams(top_p=2.0), RequestErrorCode.INVALID_VALUE)]
+    for prompt, params, code in cases:
+        with pytest.raises(InvalidRequestError) as err:
+            engine.add_request("x", prompt, params)
+        assert err.value.code is code, err.value.message
+    assert not engine.has_unfinished()

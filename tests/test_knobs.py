@@ -65,3 +65,26 @@ def test_engine_applies_at_boundary_and_never_aborts(make_engine, record_iterati
     assert len(finals) == 6
     assert [s.knob_version for s in seen[:2]] == [0, 0] and all(s.knob_version == 1 for s in seen[2:])
     assert all(s.max_num_seqs == 2 for s in seen[2:])
+
+
+def test_knob_state_versions_only_real_changes_and_keeps_one_snapshot():
+    from appliance.engine.knobs import KnobState, KnobUpdate
+
+    state = KnobState(Knobs(max_num_seqs=8))
+    first = state.snapshot
+    assert state.apply(KnobUpdate({"max_num_seqs": 8}, "test"), iteration=3) is None  # nothing changes
+    with pytest.raises(KnobError):
+        state.apply(KnobUpdate({"max_num_seqs": 4, "bogus": 1}, "test"), iteration=3)
+    assert state.snapshot is first  # rejected whole: the same snapshot, no version
+    change = state.apply(KnobUpdate({"max_num_seqs": 4, "scheduling_policy": "continuous"}, "test"), iteration=5)
+    snap = state.snapshot
+    assert (change.version, change.iteration, change.old, change.new) == (1, 5, {"max_num_seqs": 8}, {"max_num_seqs": 4})
+    assert (snap.knobs.max_num_seqs, snap.version, snap.iteration, snap.history) == (4, 1, 5, (change,))
+    assert first.knobs.max_num_seqs == 8 and first.version == 0  # an old snapshot never changes
+
+
+def test_knob_schema_comes_from_the_declaration():
+    schema = Knobs.model_json_schema(mode="serialization")
+    assert set(schema["properties"]) == set(Knobs.names()) == set(schema["required"])
+    assert schema["properties"]["max_num_seqs"]["minimum"] == 1
+    assert schema["properties"]["scheduling_policy"]["enum"] == ["continuous", "static"]

@@ -253,6 +253,21 @@ def test_invalid_parameters_get_400_naming_the_field(http, path, body, param):
     assert_error(http.post(path, json=body), 400, param=param)
 
 
+REFUSAL_CODES = [
+    (CHAT, chat_body(max_tokens="3"), "max_tokens", "invalid_type"),
+    (CHAT, chat_body(temperature=-1), "temperature", "invalid_value"),
+    (CHAT, {"model": MODEL}, "messages", "missing_required_parameter"),
+    (CHAT, chat_body(presence_penalty=0.5), "presence_penalty", "unsupported_parameter"),
+    (CHAT, chat_body(max_token=5, zz=1), "max_token", "unrecognized_argument"),
+    (COMP, comp_body(min_tokens=2), "min_tokens", "invalid_value"),  # checked by the engine
+]
+
+
+@pytest.mark.parametrize("path,body,param,code", REFUSAL_CODES)
+def test_refusals_carry_a_code(http, path, body, param, code):
+    assert_error(http.post(path, json=body), 400, param=param, code=code)
+
+
 def test_openai_client_sees_typed_errors(client):
     with pytest.raises(openai.BadRequestError) as bad:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=3)

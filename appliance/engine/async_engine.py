@@ -14,10 +14,10 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Mapping
 
 from .engine import LLMEngine, RequestOutput
-from .knobs import KnobError
+from .knobs import KnobError, KnobUpdate
 from .sampling import InvalidRequestError, SamplingParams
 from .stats import KnobChange
 
@@ -44,6 +44,17 @@ class _Add:
     source: str
     run_id: str | None
     arrival: float
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+@dataclass
+class _ChangeKnobs:
+    update: KnobUpdate
+    done: concurrent.futures.Future  # resolved with the KnobChange (None: nothing changed) or KnobError
 
 
 class AsyncEngine:
@@ -160,15 +171,14 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         """Thread-safe; the request's blocks are freed at the next iteration boundary."""
-        self._commands.put(("abort", request_id))
+        self._commands.put(_Abort(request_id))
 
-    async def update_knobs(self, changes: dict, source: str = "api") -> KnobChange:
-        """Validate the whole change now (KnobError, nothing applied) and return once it took
-        effect at an iteration boundary."""
-        self.engine.knobs.with_changes(changes)  # early, thread-safe check for a clear error
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.put(("knobs", dict(changes), source, future))
-        return await asyncio.wrap_future(future)
+    async def update_knobs(self, changes: Mapping[str, Any], source: str = "api") -> KnobChange | None:
+        """Apply a change at the next iteration boundary and return it once it took effect (None
+        when it changed nothing); KnobError, with nothing applied, when the set would be invalid."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(_ChangeKnobs(KnobUpdate(dict(changes), source), done))
+        return await asyncio.wrap_future(done)
 
     def snapshot(self) -> dict[str, Any]:
         """Latest engine state, refreshed after every iteration (safe to call from any thread)."""
@@ -205,7 +215,7 @@ class AsyncEngine:
             except queue.Empty:
                 return
 
-    def _apply(self, cmd: Any) -> None:
+    def _apply(self, cmd: _Add | _Abort | _ChangeKnobs) -> None:
         engine = self.engine
         if isinstance(cmd, _Add):
             with self._streams_lock:
@@ -214,16 +224,18 @@ class AsyncEngine:
                 engine.add_request(cmd.request_id, cmd.prompt_ids, cmd.params, cmd.source, cmd.run_id, cmd.arrival)
             except Exception as exc:  # noqa: BLE001 - reported to that request only
                 self._dispatch_error(cmd.request_id, exc)
-        elif cmd[0] == "abort":
-            engine.abort(cmd[1])
-        elif cmd[0] == "knobs":
-            _, changes, source, future = cmd
-            if not future.set_running_or_notify_cancel():
+        elif isinstance(cmd, _Abort):
+            engine.abort(cmd.request_id)
+        elif isinstance(cmd, _ChangeKnobs):
+            if not cmd.done.set_running_or_notify_cancel():
                 return  # the caller gave up before the boundary: apply nothing
             try:
-                future.set_result(engine.update_knobs(changes, source))
+                change = engine.apply_knobs(cmd.update)
             except KnobError as exc:
-                future.set_exception(exc)
+                cmd.done.set_exception(exc)
+                return
+            self._update_snapshot()  # readers see the change once the caller hears of it
+            cmd.done.set_result(change)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         with self._streams_lock:
@@ -253,6 +265,7 @@ class AsyncEngine:
     def _update_snapshot(self) -> None:
         e = self.engine
         bm = e.block_manager
+        knobs = e.knob_state.snapshot
         self._snapshot = {
             "running": e.num_running,
             "waiting": e.num_waiting,
@@ -260,9 +273,9 @@ class AsyncEngine:
             "kv_blocks_free": bm.num_free_blocks,
             "kv_blocks_total": bm.num_blocks,
             "iteration": e.iteration,
-            "knobs": e.knobs.as_dict(),
-            "knob_version": e.knob_version,
-            "knob_iteration": e.knob_iteration,
+            "knob_state": knobs,  # knobs, version, history: one consistent KnobSnapshot
+            "knobs": knobs.knobs.as_dict(),
+            "knob_version": knobs.version,
             "uptime_s": time.time() - self.started_at,
             "last_iteration": e.last_stats.as_dict() if e.last_stats else None,
         }

@@ -10,30 +10,43 @@ tokenised with special-token parsing off (control-token text stays ordinary char
 from __future__ import annotations
 
 import secrets
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, Field, StrictStr, TypeAdapter, ValidationError
+
+from .validation import problems
 
 ROLES = ("system", "user", "assistant")
 
 
+class TextPart(BaseModel):
+    """An OpenAI content part; only text parts are accepted."""
+
+    type: Literal["text"]
+    text: StrictStr
+
+
+class ChatMessage(BaseModel):
+    role: Literal[ROLES]
+    content: StrictStr | list[TextPart]
+
+    def plain(self) -> dict[str, str]:
+        """{"role", "content": str}, text parts joined."""
+        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return {"role": self.role, "content": text}
+
+
+Messages = Annotated[list[ChatMessage], Field(min_length=1)]
+_MESSAGES = TypeAdapter(Messages)
+
+
 def validate_messages(messages: object) -> list[dict]:
     """Return messages as [{"role", "content": str}], or raise ValueError naming the problem."""
-    if not isinstance(messages, list) or not messages:
-        raise ValueError("messages must be a non-empty list")
-    clean = []
-    for i, msg in enumerate(messages):
-        if not isinstance(msg, dict):
-            raise ValueError(f"messages[{i}] must be an object")
-        role = msg.get("role")
-        if role not in ROLES:
-            raise ValueError(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {role!r}")
-        content = msg.get("content")
-        if isinstance(content, list):  # OpenAI content parts: keep the text parts
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
-                raise ValueError(f"messages[{i}].content parts must be text parts")
-            content = "".join(p["text"] for p in content)
-        if not isinstance(content, str):
-            raise ValueError(f"messages[{i}].content must be a string")
-        clean.append({"role": role, "content": content})
-    return clean
+    try:
+        parsed = _MESSAGES.validate_python(messages)
+    except ValidationError as exc:
+        raise ValueError(problems(exc, root=("messages",))[0].message) from None
+    return [m.plain() for m in parsed]
 
 
 def encode_chat(tokenizer, messages: list[dict]) -> list[int]:

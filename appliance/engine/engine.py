@@ -10,6 +10,7 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any, Mapping
 
 import torch
 
@@ -17,7 +18,7 @@ from ..model_loader import LoadedModel, load_model
 from .block_manager import BlockManager
 from .config import DEFAULT_CPU_KV_MEMORY, EngineConfig, parse_bytes
 from .detokenizer import IncrementalDetokenizer
-from .knobs import Knobs
+from .knobs import Knobs, KnobState, KnobUpdate
 from .model_runner import ModelRunner, kv_cache_spec
 from .sampling import InvalidRequestError, SamplingParams, make_generator, sample
 from .scheduler import Scheduler, SchedulerOutput
@@ -31,6 +32,7 @@ from .stats import (
     decode_context_tokens,
     iteration_stats,
 )
+from .validation import RequestErrorCode
 
 log = logging.getLogger(__name__)
 
@@ -75,10 +77,8 @@ class LLMEngine:
             )
         self.max_model_len = config.max_model_len or limit
         self.cpu_kernels = self.runner.decode_kernel is not None  # in effect (built and supported)
-        self.scheduler = Scheduler(self.block_manager, config.knobs)
-        self.knob_version = 0
-        self.knob_iteration = 0
-        self.knob_history: list[KnobChange] = []
+        self.knob_state = KnobState(config.knobs)  # the one owner of the knobs, their version and history
+        self.scheduler = Scheduler(self.block_manager, self.knob_state.knobs)  # told of each change
         self.iteration = 0
         self.sinks: list[StatsSink] = []
         self._seqs: dict[str, Sequence] = {}
@@ -113,7 +113,11 @@ class LLMEngine:
     # -- public API ---------------------------------------------------------------------------
     @property
     def knobs(self) -> Knobs:
-        return self.scheduler.knobs
+        return self.knob_state.knobs
+
+    @property
+    def knob_version(self) -> int:
+        return self.knob_state.snapshot.version
 
     @property
     def num_running(self) -> int:
@@ -180,6 +184,7 @@ class LLMEngine:
                 f"requested {total} tokens ({len(prompt_ids)} in the prompt, {params.max_tokens} "
                 "for the completion). Please reduce the prompt or max_tokens.",
                 "max_tokens" if len(prompt_ids) < self.max_model_len else "prompt",
+                RequestErrorCode.CONTEXT_LENGTH_EXCEEDED,
             )
 
     def abort(self, request_id: str) -> bool:
@@ -191,21 +196,19 @@ class LLMEngine:
         self._aborted.append(self._output(seq, [], ""))
         return True
 
-    def update_knobs(self, changes: dict, source: str = "api") -> KnobChange:
+    def apply_knobs(self, update: KnobUpdate) -> KnobChange | None:
         """Validate the whole change (KnobError names each bad field; nothing applied) and apply it
-        before the next iteration. Returns the change with the iteration at which it takes effect."""
-        old = self.knobs
-        new = old.with_changes(changes)
-        self.scheduler.knobs = new
-        self.knob_version += 1
-        self.knob_iteration = self.iteration
-        diff_old = {k: v for k, v in old.as_dict().items() if new.as_dict()[k] != v}
-        diff_new = {k: new.as_dict()[k] for k in diff_old}
-        change = KnobChange(self.knob_version, self.iteration, time.time(), diff_old, diff_new, source)
-        self.knob_history.append(change)
-        for sink in self.sinks:
-            sink.on_knob_change(change)
+        before the next iteration. Returns the change with the iteration at which it takes effect,
+        or None when it changes nothing (no new version)."""
+        change = self.knob_state.apply(update, self.iteration)
+        if change is not None:
+            self.scheduler.knobs = self.knob_state.knobs
+            for sink in self.sinks:
+                sink.on_knob_change(change)
         return change
+
+    def update_knobs(self, changes: Mapping[str, Any], source: str = "api") -> KnobChange | None:
+        return self.apply_knobs(KnobUpdate(changes, source))
 
     def step(self) -> list[RequestOutput]:
         """Run one iteration; return every request's new output (finished ones included)."""

@@ -3,39 +3,54 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import Annotated
 
 import torch
+from pydantic import Field, StrictBool, StrictInt, StrictStr, TypeAdapter, ValidationError
 
-from ..numeric import is_int
+from .validation import RequestErrorCode, problems
+
+MAX_STOP_STRINGS = 16
+
+# Each request field's rule, declared once: the engine checks SamplingParams with these, and the
+# server's request models (hence its OpenAPI document) are built from them.
+NonEmptyStr = Annotated[StrictStr, Field(min_length=1)]
+TokenId = Annotated[StrictInt, Field(ge=0)]
+MaxTokens = Annotated[StrictInt, Field(ge=1)]
+Temperature = Annotated[float, Field(strict=True, allow_inf_nan=False, ge=0, le=100)]
+TopP = Annotated[float, Field(strict=True, allow_inf_nan=False, gt=0, le=1)]
+TopK = Annotated[StrictInt, Field(ge=-1, description="-1 or 0: no top-k cut")]
+Seed = Annotated[StrictInt, Field(ge=-(2**63), lt=2**64)]
+StopStrings = Annotated[list[NonEmptyStr], Field(max_length=MAX_STOP_STRINGS)]
+MinTokens = Annotated[StrictInt, Field(ge=0, description="at most max_tokens")]
 
 
 class InvalidRequestError(ValueError):
-    """A request the engine refuses before scheduling anything. `param` names the bad field."""
+    """A request the engine refuses before scheduling anything. `param` names the bad field,
+    `code` says why."""
 
-    def __init__(self, message: str, param: str | None = None):
+    def __init__(self, message: str, param: str | None = None,
+                 code: RequestErrorCode = RequestErrorCode.INVALID_VALUE):
         super().__init__(message)
         self.message = message
         self.param = param
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        self.code = code
 
 
 @dataclass
 class SamplingParams:
     """How to pick tokens and when to stop (OpenAI's fields plus vLLM's ignore_eos/min_tokens)."""
 
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 or -1: no top-k cut
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-    min_tokens: int = 0
+    max_tokens: MaxTokens = 16
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
+    top_k: TopK = 0
+    seed: Seed | None = None
+    stop: StopStrings = field(default_factory=list)
+    stop_token_ids: list[TokenId] = field(default_factory=list)
+    ignore_eos: StrictBool = False
+    min_tokens: MinTokens = 0
 
     @property
     def greedy(self) -> bool:
@@ -44,35 +59,20 @@ class SamplingParams:
 
     def validate(self, vocab_size: int | None = None) -> "SamplingParams":
         """Raise InvalidRequestError naming the first bad field; return self when valid."""
-        if not is_int(self.max_tokens) or self.max_tokens < 1:
-            raise InvalidRequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}", "max_tokens")
-        if not _is_number(self.temperature) or not 0 <= self.temperature <= 100:
+        try:
+            _FIELDS.validate_python({f.name: getattr(self, f.name) for f in fields(self)})
+        except ValidationError as exc:
+            first = problems(exc)[0]
+            raise InvalidRequestError(first.message, first.param, first.code) from None
+        if self.min_tokens > self.max_tokens:
             raise InvalidRequestError(
-                f"temperature must be a number between 0 and 100, got {self.temperature!r}", "temperature"
-            )
-        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
-            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}", "top_p")
-        if not is_int(self.top_k) or self.top_k < -1:
-            raise InvalidRequestError(f"top_k must be -1, 0 or a positive integer, got {self.top_k!r}", "top_k")
-        if self.seed is not None and (not is_int(self.seed) or not -(2**63) <= self.seed < 2**64):
-            raise InvalidRequestError(f"seed must be a 64-bit integer, got {self.seed!r}", "seed")
-        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
-            raise InvalidRequestError("stop must be a list of non-empty strings", "stop")
-        if len(self.stop) > 16:
-            raise InvalidRequestError(f"at most 16 stop strings, got {len(self.stop)}", "stop")
-        if not isinstance(self.stop_token_ids, list) or not all(
-            is_int(t) and 0 <= t < (vocab_size or 2**31) for t in self.stop_token_ids
-        ):
-            raise InvalidRequestError("stop_token_ids must be a list of valid token ids", "stop_token_ids")
-        if not isinstance(self.ignore_eos, bool):
-            raise InvalidRequestError("ignore_eos must be a boolean", "ignore_eos")
-        if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
-            raise InvalidRequestError(
-                f"min_tokens must be an integer between 0 and max_tokens ({self.max_tokens}), "
-                f"got {self.min_tokens!r}",
-                "min_tokens",
-            )
+                f"min_tokens ({self.min_tokens}) must be at most max_tokens ({self.max_tokens})", "min_tokens")
+        if vocab_size is not None and any(t >= vocab_size for t in self.stop_token_ids):
+            raise InvalidRequestError(f"stop_token_ids must be token ids below {vocab_size}", "stop_token_ids")
         return self
+
+
+_FIELDS = TypeAdapter(SamplingParams)
 
 
 def make_generator(seed: int | None, device: torch.device) -> torch.Generator | None:

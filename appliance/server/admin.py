@@ -8,7 +8,7 @@ import re
 from starlette.requests import Request
 
 from ..engine import KnobError
-from .errors import APIError, JSONResponse
+from .errors import APIError, JSONResponse, ServerErrorCode
 from .protocol import parse_json, read_body
 from .state import AppState
 
@@ -30,13 +30,16 @@ async def knobs(request: Request) -> JSONResponse:
 
 def _knob_error(errors: dict[str, str]) -> APIError:
     message = "invalid knobs: " + "; ".join(f"{k}: {v}" for k, v in errors.items())
-    return APIError(422, message, param=next(iter(errors), None), code="invalid_knobs", extra={"errors": errors})
+    return APIError(422, message, param=next(iter(errors), None), code=ServerErrorCode.INVALID_KNOBS,
+                    extra={"errors": errors})
 
 
 async def patch_knobs(request: Request) -> JSONResponse:
-    """Validate the whole change, apply it at the next iteration boundary and answer once it
-    took effect (with the new version and the iteration it took effect at). The change is
-    recorded with source "admin", or the X-Appliance-Source header's value (e.g. "dashboard")."""
+    """Send the change to the engine, which validates it whole (422 naming every bad field,
+    nothing applied) and applies it at the next iteration boundary; answer once it took effect,
+    with the knobs then in force, their version and the iteration they took effect at. The
+    change is recorded with source "admin", or the X-Appliance-Source header's value (e.g.
+    "dashboard"); a change that changes nothing adds no version."""
     state = _state(request)
     source = request.headers.get(SOURCE_HEADER, "admin").strip().lower()
     if not _SOURCE_RE.fullmatch(source):
@@ -45,31 +48,25 @@ async def patch_knobs(request: Request) -> JSONResponse:
     body = parse_json(await read_body(request, state.config.max_body_bytes))
     if not isinstance(body, dict):
         raise _knob_error({"body": "must be a JSON object mapping knob names to values"})
-    current = state.engine.knobs
-    try:
-        new = current.with_changes(body)
-    except KnobError as exc:
-        raise _knob_error(exc.errors) from None
-    if new == current:  # nothing to change: no new version
-        return JSONResponse(state.knobs_view())
     if not state.aeng.is_running:
-        raise APIError(503, "the engine is not running", code="engine_unavailable")
+        raise APIError(503, "the engine is not running", code=ServerErrorCode.ENGINE_UNAVAILABLE)
     update = asyncio.ensure_future(state.aeng.update_knobs(body, source=source))
     try:
         # shield: a cancelled handler must not cancel the future the engine thread will resolve
         change = await asyncio.wait_for(asyncio.shield(update), KNOB_UPDATE_TIMEOUT_S)
-    except KnobError as exc:  # knobs changed concurrently and the set no longer validates
+    except KnobError as exc:
         raise _knob_error(exc.errors) from None
     except asyncio.TimeoutError:
-        raise APIError(503, "the engine did not apply the change in time", code="engine_unavailable") from None
+        raise APIError(503, "the engine did not apply the change in time",
+                       code=ServerErrorCode.ENGINE_UNAVAILABLE) from None
     view = state.knobs_view()
-    view.update(version=change.version, iteration=change.iteration, source=change.source,
-                changed={"old": change.old, "new": change.new})
+    if change is not None:
+        view.update(source=change.source, changed={"old": change.old, "new": change.new})
     return JSONResponse(view)
 
 
 async def knob_history(request: Request) -> JSONResponse:
-    history = list(_state(request).engine.knob_history)
+    history = _state(request).knob_snapshot().history
     return JSONResponse({"data": [change.as_dict() for change in history]})
 
 

@@ -22,7 +22,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from ..engine import AsyncEngine
 from . import admin, openai_api
 from .access_log import DashboardPollingMarker, quiet_dashboard_polling
-from .errors import APIError, JSONResponse
+from .errors import APIError, JSONResponse, ServerErrorCode
 from .openapi import build_openapi
 from .state import AppState, ServerConfig, TelemetrySink
 
@@ -44,7 +44,7 @@ class ApiKeyMiddleware:
             header = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"), None)
             if not self.state.authorized(header):
                 message = "Missing API key (send `Authorization: Bearer KEY`)" if not header else "Incorrect API key"
-                response = APIError(401, message, code="invalid_api_key",
+                response = APIError(401, message, code=ServerErrorCode.INVALID_API_KEY,
                                     headers={"WWW-Authenticate": "Bearer"}).response()
                 await response(scope, receive, send)
                 return
@@ -58,7 +58,7 @@ async def _api_error(request: Request, exc: Exception) -> Response:
 
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
-    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+    code = {404: ServerErrorCode.NOT_FOUND, 405: ServerErrorCode.METHOD_NOT_ALLOWED}.get(exc.status_code)
     message = {404: f"no route {request.url.path}",
                405: f"method {request.method} not allowed on {request.url.path}"}.get(exc.status_code, exc.detail)
     return APIError(exc.status_code, message, code=code, headers=exc.headers).response()
@@ -66,7 +66,7 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 
 async def _internal_error(request: Request, exc: Exception) -> Response:
     log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
-    return APIError(500, "internal server error", code="internal_error").response()
+    return APIError(500, "internal server error", code=ServerErrorCode.INTERNAL_ERROR).response()
 
 
 async def health(request: Request) -> JSONResponse:
@@ -88,8 +88,7 @@ def build_app(
     """The server app around an AsyncEngine (not yet started; the lifespan starts it). The
     dashboard is mounted at /ui when `config.self_url` (this server's own URL) is set."""
     state = AppState(aeng, config or ServerConfig(), telemetry)
-    schema = build_openapi(state.model_name, state.engine.max_model_len, state.engine.vocab_size,
-                           auth=state.config.api_key is not None)
+    schema = build_openapi(state.requests, state.model_name, auth=state.config.api_key is not None)
 
     async def openapi(request: Request) -> JSONResponse:
         return JSONResponse(schema)

@@ -1,15 +1,19 @@
 """OpenAI-shaped error bodies and a JSON response that can never fail to render.
 
 Every error the server answers has the body {"error": {"message", "type", "param", "code"}}
-(422 knob errors add "errors": {field: message}).
+(422 knob errors add "errors": {field: message}). Codes are enum members, never free text:
+RequestErrorCode for refused requests (the engine's too), ServerErrorCode for the rest.
 """
 
 from __future__ import annotations
 
 import json
+from enum import Enum
 from typing import Any, Mapping
 
 from starlette.responses import Response
+
+from ..engine.validation import RequestErrorCode
 
 # Default error type per status, as OpenAI names them.
 _TYPES = {
@@ -23,6 +27,25 @@ _TYPES = {
     500: "server_error",
     503: "server_error",
 }
+
+
+class ServerErrorCode(str, Enum):
+    """Error codes of everything but a refused request body (those are RequestErrorCode)."""
+
+    REQUEST_TOO_LARGE = "request_too_large"
+    INVALID_API_KEY = "invalid_api_key"
+    MODEL_NOT_FOUND = "model_not_found"
+    NOT_FOUND = "not_found"
+    METHOD_NOT_ALLOWED = "method_not_allowed"
+    INVALID_KNOBS = "invalid_knobs"
+    QUEUE_FULL = "queue_full"
+    DRAINING = "draining"
+    ENGINE_UNAVAILABLE = "engine_unavailable"
+    ENGINE_ERROR = "engine_error"
+    INTERNAL_ERROR = "internal_error"
+
+
+ErrorCode = RequestErrorCode | ServerErrorCode
 
 
 class JSONResponse(Response):
@@ -44,7 +67,7 @@ class APIError(Exception):
         *,
         type: str | None = None,
         param: str | None = None,
-        code: str | None = None,
+        code: ErrorCode | None = None,
         headers: Mapping[str, str] | None = None,
         extra: Mapping[str, Any] | None = None,
     ):
@@ -64,9 +87,9 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
-def error_object(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
-    return {"message": message, "type": type, "param": param, "code": code}
+def error_object(message: str, type: str, param: str | None = None, code: ErrorCode | None = None) -> dict[str, Any]:
+    return {"message": message, "type": type, "param": param, "code": None if code is None else code.value}
 
 
-def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+def bad_request(message: str, param: str | None = None, code: ErrorCode | None = None) -> APIError:
     return APIError(400, message, param=param, code=code)

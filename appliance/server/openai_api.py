@@ -32,13 +32,12 @@ from ..engine import (
     RequestOutput,
     SamplingParams,
 )
-from .errors import APIError, JSONResponse, error_object
+from .errors import APIError, JSONResponse, ServerErrorCode, error_object
 from .protocol import (
     DEFAULT_CHAT_MAX_TOKENS_CAP,
     DEFAULT_COMPLETION_MAX_TOKENS,
     GenerationRequest,
-    parse_chat,
-    parse_completion,
+    parse,
     read_json_object,
 )
 from .state import AppState
@@ -59,9 +58,9 @@ async def list_models(request: Request) -> JSONResponse:
 async def chat_completions(request: Request):
     state = _state(request)
     state.check_admitting()
-    req = parse_chat(await read_json_object(request, state.config.max_body_bytes), state.engine.max_model_len)
+    req = parse(state.requests.chat, await read_json_object(request, state.config.max_body_bytes))
     state.check_model(req.model)
-    messages = req.messages or []
+    messages = req.plain_messages()
     # the template costs per message too: many tiny messages also go off the event loop
     prompt_ids = await _tokenize(state, lambda: state.engine.encode_chat(messages),
                                  sum(len(m["content"]) + 64 for m in messages))
@@ -71,13 +70,13 @@ async def chat_completions(request: Request):
 async def completions(request: Request):
     state = _state(request)
     state.check_admitting()
-    req = parse_completion(await read_json_object(request, state.config.max_body_bytes))
+    req = parse(state.requests.completion, await read_json_object(request, state.config.max_body_bytes))
     state.check_model(req.model)
-    if req.prompt_ids is not None:
-        prompt_ids = req.prompt_ids
+    prompt = req.the_prompt()
+    if isinstance(prompt, list):
+        prompt_ids = prompt
     else:
-        text = req.prompt_text or ""
-        prompt_ids = await _tokenize(state, lambda: state.engine.encode_prompt(text), len(text))
+        prompt_ids = await _tokenize(state, lambda: state.engine.encode_prompt(prompt), len(prompt))
     return await _generate(request, state, req, prompt_ids, chat=False)
 
 
@@ -89,32 +88,27 @@ async def _tokenize(state: AppState, fn: Callable[[], list[int]], size: int) -> 
 
 
 def _sampling_params(state: AppState, req: GenerationRequest, prompt_len: int, chat: bool) -> SamplingParams:
-    max_tokens = req.max_tokens
+    max_tokens = req.requested_max_tokens
     if max_tokens is None:
         # Chat: vLLM's default (whatever context is left), capped. Completions: OpenAI's and
         # vLLM's default of 16. A prompt that fills the context gets 1, hence a clear 400.
         room = state.engine.max_model_len - prompt_len
         cap = DEFAULT_CHAT_MAX_TOKENS_CAP if chat else DEFAULT_COMPLETION_MAX_TOKENS
         max_tokens = max(1, min(cap, room))
-    return SamplingParams(
-        max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=req.seed,
-        stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, min_tokens=req.min_tokens,
-    )
+    return req.sampling_params(max_tokens)
 
 
-def _engine_error(exc: BaseException, state: AppState, prompt_len: int, params: SamplingParams) -> APIError:
+def _engine_error(exc: BaseException) -> APIError:
     if isinstance(exc, InvalidRequestError):
-        too_long = prompt_len + params.max_tokens > state.engine.max_model_len
-        too_long = too_long and "maximum context length" in exc.message
-        return APIError(400, exc.message, param=exc.param, code="context_length_exceeded" if too_long else None)
+        return APIError(400, exc.message, param=exc.param, code=exc.code)
     if isinstance(exc, QueueFullError):
-        return APIError(429, f"{exc}; retry later", code="queue_full", headers={"Retry-After": "1"})
+        return APIError(429, f"{exc}; retry later", code=ServerErrorCode.QUEUE_FULL, headers={"Retry-After": "1"})
     if isinstance(exc, EngineDrainingError):
-        return APIError(503, "the server is shutting down and accepts no new requests", code="draining",
+        return APIError(503, "the server is shutting down and accepts no new requests", code=ServerErrorCode.DRAINING,
                         headers={"Retry-After": "1"})
     if isinstance(exc, EngineDeadError):
-        return APIError(503, str(exc), code="engine_unavailable")
-    return APIError(503, f"internal engine error: {type(exc).__name__}", code="engine_error")
+        return APIError(503, str(exc), code=ServerErrorCode.ENGINE_UNAVAILABLE)
+    return APIError(503, f"internal engine error: {type(exc).__name__}", code=ServerErrorCode.ENGINE_ERROR)
 
 
 class DisconnectWatcher:
@@ -183,7 +177,7 @@ def usage(final: RequestOutput) -> dict[str, int]:
 
 def _model_fault(final: RequestOutput) -> APIError:
     return APIError(503, f"the request failed inside the engine: {final.error or 'unknown error'}",
-                    code="engine_error", headers={"Retry-After": "1"})
+                    code=ServerErrorCode.ENGINE_ERROR, headers={"Retry-After": "1"})
 
 
 async def _generate(request: Request, state: AppState, req: GenerationRequest, prompt_ids: list[int], chat: bool):
@@ -191,7 +185,7 @@ async def _generate(request: Request, state: AppState, req: GenerationRequest, p
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     aeng = state.aeng
     watcher = DisconnectWatcher(request.receive, lambda: aeng.abort(request_id))
-    outputs = aeng.generate(request_id, prompt_ids, params, source=req.source, run_id=req.run_id)
+    outputs = aeng.generate(request_id, prompt_ids, params, source=req.source, run_id=req.appliance_run_id)
     state.inflight += 1
     itl = _ItlTimer(state)
     try:
@@ -202,7 +196,7 @@ async def _generate(request: Request, state: AppState, req: GenerationRequest, p
         watcher.stop()
         await outputs.aclose()
         if isinstance(exc, Exception):
-            raise _engine_error(exc, state, len(prompt_ids), params) from None
+            raise _engine_error(exc) from None
         raise
     fmt = _Formatter(state, request_id, chat, req.include_usage)
     headers = {"X-Request-Id": request_id}
@@ -214,7 +208,7 @@ async def _generate(request: Request, state: AppState, req: GenerationRequest, p
         async for final in outputs:
             itl.seen(final)
     except Exception as exc:  # noqa: BLE001 - the engine went away mid-request
-        raise _engine_error(exc, state, len(prompt_ids), params) from None
+        raise _engine_error(exc) from None
     finally:
         _release(state)
         watcher.stop()
@@ -272,7 +266,7 @@ async def _events(fmt: _Formatter, first: RequestOutput, outputs: AsyncIterator[
             except Exception as exc:  # noqa: BLE001 - the engine went away mid-stream
                 yield _sse(fmt.chunk(None if fmt.chat else "", FinishReason.ERROR))
                 yield _sse({"error": error_object(f"the engine stopped: {exc}", "server_error", None,
-                                                  "engine_unavailable")})
+                                                  ServerErrorCode.ENGINE_UNAVAILABLE)})
                 break
             itl.seen(out)
         yield b"data: [DONE]\n\n"

@@ -1,20 +1,24 @@
-"""The OpenAPI 3.0 description of the server's routes (hand-written, served at /openapi.json).
+"""The OpenAPI 3.1 description of the server's routes, served at /openapi.json.
 
-Request schemas state what the server accepts exactly; responses list every status a route
-can answer with its body shape.
+Request bodies are the JSON schemas of the models that validate them (the endpoints' request
+models, the knobs); responses list every status a route can answer with its body shape.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from ..engine.knobs import MAX_BATCHED_TOKENS_LIMIT, MAX_NUM_SEQS_LIMIT, POLICIES
+from pydantic.json_schema import models_json_schema
+
+from ..engine.knobs import Knobs
 from ..engine.stats import FinishReason
-from .protocol import MAX_STOP_STRINGS, RUN_ID_MAX_LEN, SOURCES, UNSUPPORTED_DEFAULTS
+from .protocol import RequestModels
+
+REF = "#/components/schemas/{model}"
 
 
 def _ref(name: str) -> dict[str, str]:
-    return {"$ref": f"#/components/schemas/{name}"}
+    return {"$ref": REF.format(model=name)}
 
 
 def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
@@ -26,78 +30,29 @@ def _error(description: str) -> dict[str, Any]:
 
 
 def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
-    if "enum" in schema:  # an enum restricts null too unless it lists it
-        schema = {**schema, "enum": [*schema["enum"], None]}
-    return {**schema, "nullable": True}
+    return {"anyOf": [schema, {"type": "null"}]}
 
 
-def _json_type(value: Any) -> str:
-    for kind, name in ((bool, "boolean"), (int, "number"), (str, "string"), (dict, "object"), (list, "array")):
-        if isinstance(value, kind):
-            return name
-    raise TypeError(value)
+def _model_schemas(models: RequestModels) -> dict[str, Any]:
+    """Components for the request models and the knobs (nested models included), and
+    KnobPatch: any subset of the knobs."""
+    _, top = models_json_schema([(models.chat, "validation"), (models.completion, "validation"),
+                                 (Knobs, "serialization")], ref_template=REF)
+    schemas = top["$defs"]
+    knobs = schemas["Knobs"]
+    schemas["KnobPatch"] = {"type": "object", "additionalProperties": False, "properties": {
+        name: {k: v for k, v in prop.items() if k != "default"} for name, prop in knobs["properties"].items()}}
+    return schemas
 
 
-def build_openapi(model: str, max_model_len: int, vocab_size: int, auth: bool) -> dict[str, Any]:
-    """The schema for a server serving `model` with context `max_model_len`."""
-    token_id = {"type": "integer", "minimum": 0, "maximum": vocab_size - 1}
-    stop = _nullable({"oneOf": [
-        {"type": "string", "minLength": 1},
-        {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": MAX_STOP_STRINGS},
-    ]})
-    sampling = {
-        "model": _nullable({"type": "string", "enum": [model]}),
-        "max_tokens": _nullable({"type": "integer", "minimum": 1, "maximum": max_model_len}),
-        "temperature": _nullable({"type": "number", "minimum": 0, "maximum": 100}),
-        "top_p": _nullable({"type": "number", "exclusiveMinimum": True, "minimum": 0, "maximum": 1}),
-        "top_k": _nullable({"type": "integer", "minimum": -1}),
-        "seed": _nullable({"type": "integer", "minimum": -(2**63), "maximum": 2**64 - 1}),
-        "stop": stop,
-        "stop_token_ids": _nullable({"type": "array", "items": token_id}),
-        "stream": _nullable({"type": "boolean"}),
-        "stream_options": _nullable({"type": "object", "properties": {
-            "include_usage": _nullable({"type": "boolean"})}, "description": "only with stream: true"}),
-        "n": _nullable({"type": "integer", "enum": [1]}),
-        "ignore_eos": _nullable({"type": "boolean"}),
-        "min_tokens": _nullable({"type": "integer", "minimum": 0, "description": "at most max_tokens"}),
-        "appliance_run_id": _nullable({"type": "string", "pattern": f"^[A-Za-z0-9_.:-]{{1,{RUN_ID_MAX_LEN}}}$"}),
-        "appliance_source": _nullable({"type": "string", "enum": list(SOURCES)}),
-        # OpenAI fields this server does not implement: only their default value is accepted
-        **{name: _nullable({"type": _json_type(default), "enum": [default]})
-           for name, default in UNSUPPORTED_DEFAULTS.items()},
-    }
-    message = {
-        "type": "object",
-        "required": ["role", "content"],
-        "properties": {
-            "role": {"type": "string", "enum": ["system", "user", "assistant"]},
-            "content": {"oneOf": [
-                {"type": "string"},
-                {"type": "array", "items": {"type": "object", "required": ["type", "text"], "properties": {
-                    "type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}}}},
-            ]},
-        },
-    }
-    prompt = {"oneOf": [
-        {"type": "string", "minLength": 1},
-        {"type": "array", "items": token_id, "minItems": 1},
-        {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": 1},
-        {"type": "array", "items": {"type": "array", "items": token_id, "minItems": 1}, "minItems": 1,
-         "maxItems": 1},
-    ]}
+def build_openapi(models: RequestModels, model: str, auth: bool) -> dict[str, Any]:
+    """The schema for a server serving `model`, whose requests `models` validate."""
     usage = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"], "properties": {
         "prompt_tokens": {"type": "integer"}, "completion_tokens": {"type": "integer"},
         "total_tokens": {"type": "integer"}}}
     finish = _nullable({"type": "string", "enum": [r.value for r in FinishReason]})
-    knob_props = {
-        "max_num_seqs": {"type": "integer", "minimum": 1, "maximum": MAX_NUM_SEQS_LIMIT},
-        "max_num_batched_tokens": {"type": "integer", "minimum": 1, "maximum": MAX_BATCHED_TOKENS_LIMIT},
-        "long_prefill_token_threshold": {"type": "integer", "minimum": 1, "maximum": MAX_BATCHED_TOKENS_LIMIT},
-        "max_num_partial_prefills": {"type": "integer", "minimum": 1, "maximum": MAX_NUM_SEQS_LIMIT},
-        "max_long_partial_prefills": {"type": "integer", "minimum": 1, "maximum": MAX_NUM_SEQS_LIMIT},
-        "scheduling_policy": {"type": "string", "enum": list(POLICIES)},
-    }
     schemas = {
+        **_model_schemas(models),
         "ErrorResponse": {"type": "object", "required": ["error"], "properties": {"error": {
             "type": "object", "required": ["message", "type", "param", "code"], "properties": {
                 "message": {"type": "string"}, "type": {"type": "string"},
@@ -105,12 +60,6 @@ def build_openapi(model: str, max_model_len: int, vocab_size: int, auth: bool) -
         "KnobErrorResponse": {"allOf": [_ref("ErrorResponse"), {"type": "object", "required": ["errors"],
                                         "properties": {"errors": {"type": "object",
                                                                   "additionalProperties": {"type": "string"}}}}]},
-        "ChatCompletionRequest": {"type": "object", "required": ["messages"], "properties": {
-            "messages": {"type": "array", "items": message, "minItems": 1},
-            "max_completion_tokens": _nullable({"type": "integer", "minimum": 1, "maximum": max_model_len}),
-            **sampling}, "additionalProperties": False},
-        "CompletionRequest": {"type": "object", "required": ["prompt"], "properties": {"prompt": prompt, **sampling},
-                              "additionalProperties": False},
         "ChatCompletion": {"type": "object", "required": ["id", "object", "created", "model", "choices", "usage"],
                            "properties": {
             "id": {"type": "string"}, "object": {"type": "string", "enum": ["chat.completion"]},
@@ -130,8 +79,6 @@ def build_openapi(model: str, max_model_len: int, vocab_size: int, auth: bool) -
             "description": "one event: `data` is a JSON chunk (a completion chunk, the usage chunk, or an "
                            "error object) or `[DONE]`",
             "properties": {"data": {"type": "string"}, "event": {"type": "string"}}},
-        "Knobs": {"type": "object", "properties": knob_props, "required": list(knob_props)},
-        "KnobPatch": {"type": "object", "properties": knob_props, "additionalProperties": False},
         "KnobsView": {"type": "object", "required": ["knobs", "version", "iteration", "fixed"], "properties": {
             "knobs": _ref("Knobs"), "version": {"type": "integer"}, "iteration": {"type": "integer"},
             "fixed": {"type": "object", "properties": {
@@ -193,7 +140,7 @@ def build_openapi(model: str, max_model_len: int, vocab_size: int, auth: bool) -
     patch["patch"]["parameters"] = [{"name": "X-Appliance-Source", "in": "header", "required": False,
                                      "schema": {"type": "string", "pattern": "^[a-z][a-z0-9_-]{0,31}$"}}]
     return {
-        "openapi": "3.0.3",
+        "openapi": "3.1.0",
         "info": {"title": "appliance", "version": "1", "description": f"OpenAI-compatible server for `{model}`"},
         "paths": {
             "/v1/chat/completions": generation("ChatCompletionRequest", "ChatCompletion", "chat completion"),

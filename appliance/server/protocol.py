@@ -1,10 +1,14 @@
-"""Reading and validating OpenAI request bodies, strictly.
+"""Reading OpenAI request bodies strictly, into one typed model per endpoint.
 
-Types are checked exactly (a bool is not an integer, NaN and infinities are refused), unknown
-fields are refused as OpenAI refuses them ("Unrecognized request argument"), so a misspelt
-`max_token` is an error rather than silently ignored; known fields the appliance cannot honour
-are refused unless they hold their default, and every failure is an APIError(400) naming the
-field.
+A body is read with a size limit and decoded as strict JSON (no NaN, bounded nesting, valid
+Unicode), then validated by its endpoint's pydantic model, the model /openapi.json publishes.
+The models are built per server (`build_request_models`) because some bounds depend on the
+model served (context length, vocabulary); the per-field rules come from
+`appliance.engine.sampling`, which checks SamplingParams with the same declarations. Types are
+exact (a bool is not an integer, "5" is not a number); unknown fields are refused as OpenAI
+refuses them ("Unrecognized request argument"), so a misspelt `max_token` is an error rather
+than silently ignored; known fields the appliance cannot honour are accepted only at their
+default; every failure is an APIError(400) naming the field, with a code.
 """
 
 from __future__ import annotations
@@ -12,17 +16,22 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass, field
-from typing import Any
+import typing
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal, TypeVar
 
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr,
+                      ValidationError, ValidationInfo, WithJsonSchema, create_model)
+from pydantic_core import PydanticCustomError
 from starlette.requests import ClientDisconnect, Request
 
-from ..engine.chat import validate_messages
-from ..numeric import is_int
-from .errors import APIError, bad_request
+from ..engine.chat import Messages
+from ..engine.sampling import (MAX_STOP_STRINGS, MaxTokens, MinTokens, NonEmptyStr, SamplingParams, Seed,
+                               StopStrings, Temperature, TokenId, TopK, TopP)
+from ..engine.validation import Location, RequestErrorCode, problems, show
+from .errors import APIError, ServerErrorCode, bad_request
 
 MAX_JSON_DEPTH = 32
-MAX_STOP_STRINGS = 16
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
 DEFAULT_CHAT_MAX_TOKENS_CAP = 1024  # chat default: what is left of the context, at most this
 SOURCES = ("api", "chat", "loadtest")
@@ -55,7 +64,7 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 
 def _too_large(limit: int, headers: dict[str, str] | None = None) -> APIError:
-    return APIError(413, f"request body too large (limit {limit} bytes)", code="request_too_large",
+    return APIError(413, f"request body too large (limit {limit} bytes)", code=ServerErrorCode.REQUEST_TOO_LARGE,
                     headers=headers)
 
 
@@ -113,204 +122,168 @@ async def read_json_object(request: Request, limit: int) -> dict[str, Any]:
     return body
 
 
-# -- field readers ------------------------------------------------------------------------------
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+# -- the request models -----------------------------------------------------------------------------
+def _only_default(default: Any) -> Any:
+    """A field accepted only at `default` (null counts as not given); 0.0 is 0 but false is not."""
+
+    def check(value: Any, info: ValidationInfo) -> Any:
+        if value is not None and not (value == default and isinstance(value, bool) == isinstance(default, bool)):
+            raise PydanticCustomError(RequestErrorCode.UNSUPPORTED.value,
+                                      "{name} other than {default} is not supported by this server",
+                                      {"name": info.field_name, "default": show(default)})
+        return value
+
+    return Annotated[Any, AfterValidator(check), WithJsonSchema({"enum": [default, None]})]
 
 
-def opt_int(body: dict, name: str) -> int | None:
-    value = body.get(name)
-    if value is not None and not is_int(value):
-        raise bad_request(f"{name} must be an integer, got {_show(value)}", name)
-    return value
+class StreamOptions(BaseModel):
+    include_usage: StrictBool | None = None
 
 
-def opt_number(body: dict, name: str) -> float | None:
-    value = body.get(name)
-    if value is not None and not _is_number(value):
-        raise bad_request(f"{name} must be a number, got {_show(value)}", name)
-    return value
+def _prompt(token: Any, ids: str = "token ids") -> Any:
+    """A completion's one prompt: text or token ids, alone or in a list of one."""
+    tokens = Annotated[list[token], Field(min_length=1)]
+    one = Field(min_length=1, max_length=1)
+    return Annotated[NonEmptyStr | tokens | Annotated[list[NonEmptyStr], one] | Annotated[list[tokens], one],
+                     Field(description=f"a non-empty string, a list of {ids}, or a list holding one of those")]
 
 
-def opt_bool(body: dict, name: str) -> bool | None:
-    value = body.get(name)
-    if value is not None and not isinstance(value, bool):
-        raise bad_request(f"{name} must be a boolean, got {_show(value)}", name)
-    return value
+class GenerationRequest(BaseModel):
+    """What chat and text completions share. `build_request_models` narrows it to the model
+    served (its name, context length and vocabulary)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: StrictStr | None = None
+    max_tokens: MaxTokens | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None
+    seed: Seed | None = None
+    stop: NonEmptyStr | StopStrings | None = Field(
+        None, description=f"a non-empty string or a list of at most {MAX_STOP_STRINGS} non-empty strings")
+    stop_token_ids: list[TokenId] | None = None
+    stream: StrictBool | None = None
+    stream_options: StreamOptions | None = Field(None, description="only with stream: true")
+    ignore_eos: StrictBool | None = None
+    min_tokens: MinTokens | None = None
+    appliance_source: Literal[SOURCES] | None = None
+    appliance_run_id: Annotated[StrictStr, Field(pattern=rf"^[A-Za-z0-9_.:-]{{1,{RUN_ID_MAX_LEN}}}$")] | None = None
+    # OpenAI's fields this server cannot honour: accepted only at their default
+    n: _only_default(1) = None
+    presence_penalty: _only_default(0) = None
+    frequency_penalty: _only_default(0) = None
+    repetition_penalty: _only_default(1) = None
+    logit_bias: _only_default({}) = None
+    logprobs: _only_default(False) = None
+    top_logprobs: _only_default(0) = None
+    echo: _only_default(False) = None
+    best_of: _only_default(1) = None
+    suffix: _only_default("") = None
+    tools: _only_default([]) = None
+    functions: _only_default([]) = None
+    response_format: _only_default({"type": "text"}) = None
+    # OpenAI's bookkeeping fields: accepted, without effect on the generated text
+    user: Any = None
+    metadata: Any = None
+    store: Any = None
+    service_tier: Any = None
+    parallel_tool_calls: Any = None
+    tool_choice: Any = None
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        """max_tokens as asked; None: the endpoint's default applies."""
+        return self.max_tokens
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def source(self) -> str:
+        return self.appliance_source or "api"
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        """The engine's parameters: the fields given, SamplingParams' defaults for the others."""
+        names = ("temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos", "min_tokens")
+        given = {name: value for name in names if (value := getattr(self, name)) is not None}
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop
+        return SamplingParams(max_tokens=max_tokens, stop=stop or [], **given)
 
 
-def opt_str(body: dict, name: str) -> str | None:
-    value = body.get(name)
-    if value is not None and not isinstance(value, str):
-        raise bad_request(f"{name} must be a string, got {_show(value)}", name)
-    return value
+class ChatCompletionBase(GenerationRequest):
+    messages: Messages
+    max_completion_tokens: StrictInt | None = Field(None, description="replaces max_tokens; checked as max_tokens")
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        """max_completion_tokens wins over the older max_tokens (both are checked)."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else super().requested_max_tokens
+
+    def plain_messages(self) -> list[dict[str, str]]:
+        return [m.plain() for m in self.messages]
 
 
-def _show(value: Any) -> str:
-    text = json.dumps(value)
-    return text if len(text) <= 60 else text[:57] + "..."
+class CompletionBase(GenerationRequest):
+    prompt: _prompt(TokenId)
+
+    def the_prompt(self) -> str | list[int]:
+        """The one prompt, text or token ids (a list holding one is unwrapped)."""
+        if isinstance(self.prompt, list) and isinstance(self.prompt[0], (str, list)):
+            return self.prompt[0]
+        return self.prompt
 
 
-# Fields OpenAI defines that the appliance does not implement: accepted only at their default.
-UNSUPPORTED_DEFAULTS: dict[str, Any] = {
-    "presence_penalty": 0,
-    "frequency_penalty": 0,
-    "repetition_penalty": 1,
-    "logit_bias": {},
-    "logprobs": False,
-    "top_logprobs": 0,
-    "echo": False,
-    "best_of": 1,
-    "suffix": "",
-    "tools": [],
-    "functions": [],
-    "response_format": {"type": "text"},
-}
+RequestT = TypeVar("RequestT", bound=GenerationRequest)
 
 
-# Accepted without effect: OpenAI bookkeeping fields that do not change the generated text.
-INERT_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls", "tool_choice"})
-COMMON_FIELDS = frozenset({
-    "model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "stream",
-    "stream_options", "n", "ignore_eos", "min_tokens", "appliance_source", "appliance_run_id",
-}) | INERT_FIELDS | frozenset(UNSUPPORTED_DEFAULTS)
-CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens"}
-COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
+@dataclass(frozen=True)
+class RequestModels:
+    """The request models of one server, bounded by the model it serves."""
+
+    chat: type[ChatCompletionBase]
+    completion: type[CompletionBase]
 
 
-def _refuse_unknown(body: dict, known: frozenset[str]) -> None:
-    unknown = sorted(set(body) - known)
-    if unknown:
-        raise bad_request(f"Unrecognized request argument supplied: {', '.join(unknown)}", unknown[0],
-                          code="unrecognized_argument")
-
-
-def _is_default(value: Any, default: Any) -> bool:
-    return value == default and isinstance(value, bool) == isinstance(default, bool)
-
-
-@dataclass
-class GenerationRequest:
-    """A validated chat or completion request (prompt not yet tokenised)."""
-
-    model: str | None
-    max_tokens: int | None  # None: the endpoint's default
-    temperature: float
-    top_p: float
-    top_k: int
-    seed: int | None
-    stop: list[str]
-    stop_token_ids: list[int]
-    ignore_eos: bool
-    min_tokens: int
-    stream: bool
-    include_usage: bool
-    source: str
-    run_id: str | None
-    messages: list[dict] | None = None  # chat
-    prompt_text: str | None = None  # completions, text prompt
-    prompt_ids: list[int] | None = field(default=None, repr=False)  # completions, token ids
-
-
-def _common(body: dict, max_tokens: int | None) -> dict[str, Any]:
-    for name, default in UNSUPPORTED_DEFAULTS.items():
-        value = body.get(name)
-        if value is not None and not _is_default(value, default):
-            raise bad_request(f"{name} is not supported by this server", name, code="unsupported_parameter")
-    n = opt_int(body, "n")
-    if n is not None and n != 1:
-        raise bad_request(f"only n=1 is supported, got {_show(n)}", "n")
-    model = opt_str(body, "model")
-    stream = bool(opt_bool(body, "stream"))
-    stream_options = body.get("stream_options")
-    include_usage = False
-    if stream_options is not None:  # like vLLM's, but without a stream it is simply unused
-        if not isinstance(stream_options, dict):
-            raise bad_request("stream_options must be an object", "stream_options")
-        usage = stream_options.get("include_usage")
-        if usage is not None and not isinstance(usage, bool):
-            raise bad_request(f"stream_options.include_usage must be a boolean, got {_show(usage)}",
-                              "stream_options.include_usage")
-        include_usage = stream and bool(usage)
-    stop = body.get("stop")
-    if stop is None:
-        stop = []
-    elif isinstance(stop, str):
-        stop = [stop]
-    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
-        raise bad_request("stop must be a non-empty string or a list of non-empty strings", "stop")
-    if len(stop) > MAX_STOP_STRINGS:
-        raise bad_request(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}", "stop")
-    stop_token_ids = body.get("stop_token_ids")
-    if stop_token_ids is None:
-        stop_token_ids = []
-    if not isinstance(stop_token_ids, list) or not all(is_int(t) for t in stop_token_ids):
-        raise bad_request("stop_token_ids must be a list of integers", "stop_token_ids")
-    source = opt_str(body, "appliance_source") or "api"
-    if source not in SOURCES:
-        raise bad_request(f"appliance_source must be one of {', '.join(SOURCES)}, got {_show(source)}",
-                          "appliance_source")
-    run_id = opt_str(body, "appliance_run_id")
-    if run_id is not None and not re.fullmatch(r"[A-Za-z0-9_.:-]{1,%d}" % RUN_ID_MAX_LEN, run_id):
-        raise bad_request(f"appliance_run_id must be 1-{RUN_ID_MAX_LEN} characters of [A-Za-z0-9_.:-]",
-                          "appliance_run_id")
-    temperature = opt_number(body, "temperature")
-    top_p = opt_number(body, "top_p")
-    return dict(
-        model=model,
-        max_tokens=max_tokens,
-        temperature=1.0 if temperature is None else temperature,
-        top_p=1.0 if top_p is None else top_p,
-        top_k=opt_int(body, "top_k") or 0,
-        seed=opt_int(body, "seed"),
-        stop=stop,
-        stop_token_ids=stop_token_ids,
-        ignore_eos=bool(opt_bool(body, "ignore_eos")),
-        min_tokens=opt_int(body, "min_tokens") or 0,
-        stream=stream,
-        include_usage=include_usage,
-        source=source,
-        run_id=run_id,
+def build_request_models(served_model: str, max_model_len: int, vocab_size: int) -> RequestModels:
+    """Chat and completion request models for a server serving `served_model`, with context
+    `max_model_len`, over a vocabulary of `vocab_size` tokens."""
+    token = Annotated[TokenId, Field(lt=vocab_size)]
+    narrowed: dict[str, Any] = {
+        "model": (Annotated[StrictStr, Field(json_schema_extra={"enum": [served_model]})] | None, None),
+        "max_tokens": (Annotated[MaxTokens, Field(le=max_model_len)] | None, None),
+        "stop_token_ids": (list[token] | None, Field(None, description=f"a list of token ids below {vocab_size}")),
+    }
+    prompt = (_prompt(token, f"token ids below {vocab_size}"), ...)
+    return RequestModels(
+        chat=create_model("ChatCompletionRequest", __base__=ChatCompletionBase, **narrowed),
+        completion=create_model("CompletionRequest", __base__=CompletionBase, **narrowed, prompt=prompt),
     )
 
 
-def parse_chat(body: dict, max_model_len: int) -> GenerationRequest:
-    """max_completion_tokens wins over the older max_tokens; both are checked when both are given."""
-    _refuse_unknown(body, CHAT_FIELDS)
-    max_tokens = opt_int(body, "max_completion_tokens")
-    legacy = opt_int(body, "max_tokens")
-    if max_tokens is None:
-        max_tokens = legacy
-    elif legacy is not None and not 1 <= legacy <= max_model_len:
-        raise bad_request(f"max_tokens must be between 1 and {max_model_len}, got {legacy}", "max_tokens")
-    if "messages" not in body:
-        raise bad_request("messages is required", "messages")
+def parse(model: type[RequestT], body: dict[str, Any]) -> RequestT:
+    """Validate `body`; APIError(400) naming the first bad field (all unknown ones together)."""
     try:
-        messages = validate_messages(body["messages"])
-    except ValueError as exc:
-        raise bad_request(str(exc), "messages") from None
-    return GenerationRequest(messages=messages, **_common(body, max_tokens))
+        return model.model_validate(body)
+    except ValidationError as exc:
+        descriptions = {name: f.description for name, f in model.model_fields.items() if f.description}
+        found = problems(exc, param_of=lambda loc: _param(model, loc), descriptions=descriptions)
+    unknown = sorted(p.param for p in found if p.code is RequestErrorCode.UNRECOGNIZED)
+    if unknown:
+        raise bad_request(f"Unrecognized request argument supplied: {', '.join(unknown)}", unknown[0],
+                          RequestErrorCode.UNRECOGNIZED)
+    raise bad_request(found[0].message, found[0].param, found[0].code)
 
 
-def parse_completion(body: dict) -> GenerationRequest:
-    _refuse_unknown(body, COMPLETION_FIELDS)
-    max_tokens = opt_int(body, "max_tokens")
-    if "prompt" not in body:
-        raise bad_request("prompt is required", "prompt")
-    prompt = body["prompt"]
-    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-        if len(prompt) > 1:
-            raise bad_request(f"only one prompt per request is supported, got {len(prompt)}", "prompt")
-        prompt = prompt[0]
-    text: str | None = None
-    ids: list[int] | None = None
-    if isinstance(prompt, str):
-        text = prompt
-    elif isinstance(prompt, list) and all(is_int(t) for t in prompt):
-        ids = prompt
-    else:
-        raise bad_request("prompt must be a string, a list of token ids, or a list holding one of those",
-                          "prompt")
-    if (text is not None and not text) or (ids is not None and not ids):
-        raise bad_request("the prompt is empty", "prompt")
-    return GenerationRequest(prompt_text=text, prompt_ids=ids, **_common(body, max_tokens))
+def _param(model: type[BaseModel], loc: Location) -> str:
+    """The field an error is reported on: a top-level field, or `outer.inner` inside a nested
+    object (stream_options.include_usage); list items report their list."""
+    field = model.model_fields.get(str(loc[0])) if loc else None
+    if field is None:
+        return str(loc[0]) if loc else "body"
+    nested = [t for t in typing.get_args(field.annotation) or (field.annotation,)
+              if isinstance(t, type) and issubclass(t, BaseModel)]
+    if nested and len(loc) > 1 and isinstance(loc[1], str) and loc[1] in nested[0].model_fields:
+        return f"{loc[0]}.{loc[1]}"
+    return str(loc[0])

@@ -13,8 +13,10 @@ from typing import Any, Callable, Protocol, TypeVar
 import torch
 
 from ..engine import AsyncEngine, IterationStats, KnobChange, LLMEngine, RequestStats
-from .errors import APIError
+from ..engine.knobs import KnobSnapshot
+from .errors import APIError, ServerErrorCode
 from .metrics import ServerMetrics
+from .protocol import build_request_models
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +57,7 @@ class AppState:
         self.config = config
         self.telemetry = telemetry
         self.model_name = config.served_model_name or self.engine.model_name
+        self.requests = build_request_models(self.model_name, self.engine.max_model_len, self.engine.vocab_size)
         self.status = "loading"  # -> "ok" -> "draining" -> "stopped"
         self.inflight = 0  # generation requests with a response still being written
         self.metrics = ServerMetrics(self._metrics_snapshot)
@@ -105,15 +108,15 @@ class AppState:
 
     def check_admitting(self) -> None:
         if self.status == "draining" or not self.aeng.admitting:
-            raise APIError(503, "the server is shutting down and accepts no new requests", code="draining",
-                           headers={"Retry-After": "1"})
+            raise APIError(503, "the server is shutting down and accepts no new requests",
+                           code=ServerErrorCode.DRAINING, headers={"Retry-After": "1"})
         if not self.ready:
-            raise APIError(503, "the engine is not running", code="engine_unavailable")
+            raise APIError(503, "the engine is not running", code=ServerErrorCode.ENGINE_UNAVAILABLE)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
             raise APIError(404, f"The model `{model}` does not exist. This server serves `{self.model_name}`.",
-                           param="model", code="model_not_found")
+                           param="model", code=ServerErrorCode.MODEL_NOT_FOUND)
 
     async def run_tokenizer(self, fn: Callable[[], T], size: int) -> T:
         """Tokenise inline when short, else on a worker thread (never stalls the event loop)."""
@@ -140,10 +143,14 @@ class AppState:
             "threads": torch.get_num_threads(),
         }
 
+    def knob_snapshot(self) -> KnobSnapshot:
+        """The knobs in force with their version and history, as the engine thread last published them."""
+        return self.aeng.snapshot()["knob_state"]
+
     def knobs_view(self) -> dict[str, Any]:
-        engine = self.engine
-        knobs, version, iteration = engine.knobs, engine.knob_version, engine.knob_iteration
-        return {"knobs": knobs.as_dict(), "version": version, "iteration": iteration, "fixed": self.fixed()}
+        snap = self.knob_snapshot()
+        return {"knobs": snap.knobs.as_dict(), "version": snap.version, "iteration": snap.iteration,
+                "fixed": self.fixed()}
 
     def state_view(self) -> dict[str, Any]:
         snap = self.aeng.snapshot()
@@ -166,7 +173,5 @@ class AppState:
 
     def _metrics_snapshot(self) -> dict[str, Any]:
         snap = self.aeng.snapshot()
-        snap["knobs"] = self.engine.knobs.as_dict()
-        snap["knob_version"] = self.engine.knob_version
         snap["telemetry_rows_dropped"] = self.telemetry_rows_dropped()
         return snap
