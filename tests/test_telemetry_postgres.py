@@ -167,7 +167,7 @@ def test_migrations_on_postgres(pg_url: str) -> None:
     store.upgrade(pg_url)
     assert store.current(pg_url) == store.head()
     store.downgrade(pg_url, "-1")
-    assert store.current(pg_url) == "0001"
+    assert store.current(pg_url) == store.revisions()[1]  # one step below head
     store.upgrade(pg_url)
     engine = store.make_engine(pg_url)
     try:
