@@ -122,11 +122,11 @@ def test_fleet_sizing_finds_the_fewest_replicas(recorded, capsys):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--set", "max_num_seqs=0"], "max_num_seqs: must be between 1 and 4096, got 0"),
+    (["--set", "max_num_seqs=0"], "max_num_seqs: input should be greater than or equal to 1, got 0"),
     (["--set", "speed=11"], "speed: unknown knob"),
     (["--set", "max_num_seqs"], "--set 'max_num_seqs': expected KNOB=VALUE"),
-    (["--grid", "max_num_seqs=8,many"], "max_num_seqs: must be an integer, got 'many'"),
-    (["--grid", "scheduling_policy=fifo"], "scheduling_policy: must be one of continuous, static, got 'fifo'"),
+    (["--grid", "max_num_seqs=8,many"], "max_num_seqs: input should be a valid integer, got \"many\""),
+    (["--grid", "scheduling_policy=fifo"], "scheduling_policy: input should be 'continuous' or 'static', got \"fifo\""),
     (["--set", "num_blocks=2"], "do not fit in the KV cache (num_blocks 2 x block_size 16 = 32 tokens)"),
     (["--max-replicas", "3", "--rate", "1"], "--max-replicas needs --slo"),
     (["--replicas", "3"], "fleet sizing needs --rate"),

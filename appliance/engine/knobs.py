@@ -14,7 +14,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, Mapping
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, TypeAdapter, ValidationError
 
 from ..policies import POLICIES
 from .stats import KnobChange
@@ -80,9 +80,9 @@ def _checked(values: Mapping[str, Any], changed: set[str]) -> Knobs:
         _CHANGED.reset(token)
 
 
-def _field_errors(exc: ValidationError) -> dict[str, str]:
+def _field_errors(exc: ValidationError, root: tuple[str, ...] = ()) -> dict[str, str]:
     return {p.param: "unknown knob" if p.code is RequestErrorCode.UNRECOGNIZED else p.detail
-            for p in problems(exc)}
+            for p in problems(exc, root=root)}
 
 
 def _rule_errors(knobs: Knobs, changed: frozenset[str]) -> dict[str, str]:
@@ -121,13 +121,20 @@ def validate_knobs(values: Mapping[str, Any], only: set[str] | None = None) -> d
     return {}
 
 def field_errors(values: Mapping[str, Any]) -> dict[str, str]:
-    """Type and range problems of the knobs present in `values`, each on its own (the others
-    take their defaults; no cross-field rules): {field: message}."""
-    try:
-        Knobs.model_validate(dict(values))  # pydantic's checks only: Knobs.__init__'s rules are skipped
-    except ValidationError as exc:
-        return _field_errors(exc)
-    return {}
+    """Type and range problems of the knobs present in `values`, each on its own (no cross-field
+    rules): {field: message}."""
+    errors: dict[str, str] = {}
+    for name, value in values.items():
+        field = Knobs.model_fields.get(name)
+        if field is None:
+            errors[name] = "unknown knob"
+            continue
+        try:
+            kind = Annotated[(field.annotation, *field.metadata)] if field.metadata else field.annotation
+            TypeAdapter(kind).validate_python(value)
+        except ValidationError as exc:
+            errors.update(_field_errors(exc, root=(name,)))
+    return errors
 
 
 # -- the owner ------------------------------------------------------------------------------------
