@@ -135,6 +135,8 @@ def _iteration(i: int, t: float, running: int, policy: str = "continuous", versi
         prefill_tokens=30, decode_seqs=running, decode_tokens=running, scheduled_tokens=30 + running,
         padding_tokens=0, token_budget=512, max_num_seqs=16, kv_blocks_used=64, kv_blocks_free=448,
         kv_blocks_total=512, preemptions=1 if i == 3 else 0, finished=0, knob_version=version,
+        held_by_max_num_seqs=0, held_by_token_budget=0, held_by_kv_blocks=0, held_by_partial_prefills=0,
+        held_by_long_partial_prefills=0, chunk_deferred_tokens=0,
         policy=policy, decode_context_tokens=running * 100,
     )
 

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from ..records import (  # noqa: F401 - the engine's records, re-exported where the engine names them
     FinishReason,
+    HoldCause,
     IterationStats,
     KnobChange,
     RequestStats,
@@ -51,6 +52,8 @@ def iteration_stats(
         kv_blocks_total=bm.num_blocks, preemptions=len(sched.preempted), finished=finished,
         knob_version=knob_version, policy=knobs.scheduling_policy,
         decode_context_tokens=decode_context_tokens,
+        chunk_deferred_tokens=sched.chunk_deferred_tokens,
+        **{cause.column: sched.held.get(cause, 0) for cause in HoldCause},
     )
 
 
