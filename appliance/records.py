@@ -77,6 +77,8 @@ class IterationStats:
     started_at: float = metric("wall clock (time.time()) when the iteration began", unit="s")
     duration_s: float = metric("wall time of the whole iteration (schedule + forward + postprocess)",
                                unit="s", label="step time", rollup=True)
+    sample_s: float = metric("wall time after the forward pass: sampling, detokenizing, stop checks",
+                             unit="s", label="sampling time", rollup=True)
     running: int = metric("sequences holding a running slot after scheduling", unit="sequences", rollup=True)
     waiting: int = metric("requests left waiting after scheduling", unit="requests", rollup=True)
     prefill_seqs: int = metric("sequences given a prefill chunk", unit="sequences", rollup=True)

@@ -133,7 +133,8 @@ def test_live_refresh_charts_the_telemetry_and_marks_knob_changes(server, client
     headline, *plots, effective = wait_for(refreshed)
     state = httpx.get(f"{server.base_url}/admin/state").json()
     assert state["model"] in headline and 'data-stat="uptime"' in headline
-    assert len(plots) == 8
+    assert len(plots) == 9
+    assert 'data-stat="holding"' in headline  # the reading of what is holding traffic back
     figures = [json.loads(p["plot"]) for p in plots]
     for plot, figure in zip(plots, figures):
         assert plot["type"] == "plotly"

@@ -27,8 +27,9 @@ import plotly.graph_objects as go
 from sqlalchemy.exc import SQLAlchemyError
 
 from appliance.telemetry import queries, runs
-from appliance.telemetry.queries import LatencyPoint, Series
-from ui import charts
+from appliance.records import HoldCause
+from appliance.telemetry.queries import HeldTime, LatencyPoint, Series
+from ui import charts, holding
 from ui.api_client import ApiError
 from ui.context import DashboardContext
 from ui.knobs_panel import effective_markdown
@@ -42,6 +43,7 @@ RUN_PREFIX = "run:"
 SERIES_POINTS = {"1m": 120, "5m": 300, "1h": 360}
 RUN_POINTS = 300
 LATENCY_POINTS = 30
+HELD_POINTS = 60  # buckets of the "what is holding traffic back" chart
 RATE_WINDOW_S = 5.0  # the headline's tokens/s is measured over the last few seconds
 
 
@@ -65,6 +67,7 @@ CHARTS = (
     LiveChart("chart-throughput", ("decode_tokens",)),
     LiveChart("chart-ttft"),  # request latencies, not iteration series
     LiveChart("chart-itl"),
+    LiveChart("chart-held"),  # queued request-time by cause (queries.held_time)
 )
 CHART_IDS = tuple(chart.id for chart in CHARTS)
 HEADLINE_SERIES = ("preemptions",)  # the headline's preemption count over the window
@@ -87,6 +90,19 @@ class LiveData:
     ttft: list[LatencyPoint]
     itl: list[LatencyPoint]
     changes: list[dict[str, Any]]
+    held: HeldTime
+
+    def kv_peak(self) -> float | None:
+        """The highest KV usage in the window (0..1), None without iterations."""
+        used, total = self.series["kv_blocks_used"].points, self.series["kv_blocks_total"].points
+        blocks = max((p.max for p in total), default=0.0)
+        return max(p.max for p in used) / blocks if used and blocks else None
+
+    def holding_reading(self, knobs: dict[str, Any]) -> str:
+        """holding.reading of this window, with the knobs in force."""
+        where = self.window.label if self.window.run_id else f"the last {self.window.label}"
+        preemptions = int(sum(p.sum for p in self.series["preemptions"].points))
+        return holding.reading(self.held.totals, where, knobs, self.kv_peak(), preemptions, bool(self.changes))
 
 
 def resolve_window(db: Any, choice: str | None, now: float | None = None) -> Window:
@@ -130,7 +146,8 @@ def fetch(db: Any, window: Window, choice: str) -> LiveData:
         for metric in ("ttft", "itl")
     }
     changes = queries.knob_timeline(db, window.since, window.until)
-    return LiveData(window, series, latency["ttft"], latency["itl"], changes)
+    held = queries.held_time(db, window.since, window.until, points=HELD_POINTS)
+    return LiveData(window, series, latency["ttft"], latency["itl"], changes, held)
 
 
 def _xy(s: Series, stat: str, scale: float = 1.0, gaps: bool = True) -> tuple[list[float], list[float | None]]:
@@ -241,6 +258,13 @@ def figure_specs(data: LiveData) -> list[dict[str, Any]]:
             line((times, [p.quantiles[q] * 1000 for p in points]), q, charts.COLORS[i], markers=True)
             for i, q in enumerate(("p50", "p90", "p99"))
         ], bool(points)))
+
+    times, by_cause = holding.stacked(data.held)
+    traces = [line((times, by_cause[cause]), holding.LABELS[cause], charts.COLORS[i], stackgroup="held")
+              for i, cause in enumerate(HoldCause)]
+    traces[0]["groupnorm"] = "percent"
+    figs.append(figure("What is holding traffic back", "% of queued request-time", traces, bool(times),
+                       yaxis={"range": [0, 100], "rangemode": "normal"}))
     return figs
 
 
@@ -268,8 +292,9 @@ def _duration(seconds: float) -> str:
 
 
 def headline_html(state: dict[str, Any] | None, knobs: dict[str, Any] | None, tokens_per_s: float,
-                  preemptions: int, error: str | None = None) -> str:
-    """The row of headline numbers (each in a [data-stat] cell)."""
+                  preemptions: int, error: str | None = None, reading: str | None = None) -> str:
+    """The row of headline numbers (each in a [data-stat] cell), then `reading` (what is holding
+    traffic back) on a line of its own."""
     state, knobs = state or {}, knobs or {}
     k = knobs.get("knobs", {})
     used, total = state.get("kv_blocks_used"), state.get("kv_blocks_total")
@@ -294,7 +319,9 @@ def headline_html(state: dict[str, Any] | None, knobs: dict[str, Any] | None, to
         for key, label, value in cells
     )
     warning = f'<div style="color:#b91c1c">{html.escape(error)}</div>' if error else ""
-    return f'{warning}<div style="display:flex;flex-wrap:wrap;gap:8px">{body}</div>'
+    line = (f'<div data-stat="holding" style="margin-top:6px;font-size:13px">{html.escape(reading)}</div>'
+            if reading else "")
+    return f'{warning}<div style="display:flex;flex-wrap:wrap;gap:8px">{body}</div>{line}'
 
 
 @dataclass(frozen=True)
@@ -414,7 +441,9 @@ class LiveTab:
         newest = data.series["running"].points[-1:]
         activity = (error, *engine, *[(p.t, p.count) for p in newest], sum(p.count for p in data.ttft),
                     len(data.changes))
-        return Snapshot(headline_html(state, knobs, tokens_per_s, preemptions, error), plots, effective, activity)
+        reading = data.holding_reading((knobs or {}).get("knobs", {}))
+        return Snapshot(headline_html(state, knobs, tokens_per_s, preemptions, error, reading), plots, effective,
+                        activity)
 
     def refresh(self, choice: str, paused: bool, request: gr.Request) -> list[Any]:
         """Headline HTML, the charts and the knobs in force (all of them)."""

@@ -1,5 +1,6 @@
 """Binding-cause counters per iteration: waiting requests held back by each limit and prefill
-tokens deferred by the chunk size (appliance.records.HoldCause), raw and in the 1 s rollup.
+tokens deferred by the chunk size (appliance.records.HoldCause), and the time an iteration spent
+after its forward pass (sample_s), raw and in the 1 s rollup.
 
 Revision ID: 0004_binding_counters
 Revises: 0003_step_time_models
@@ -18,8 +19,9 @@ down_revision: str | None = "0003_step_time_models"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
-# Frozen copy of the columns this revision adds (integers, rolled up).
+# Frozen copy of the columns this revision adds (all rolled up; sample_s a float, the rest integers).
 _COLUMNS = (
+    "sample_s",
     "held_by_max_num_seqs",
     "held_by_token_budget",
     "held_by_kv_blocks",
@@ -32,7 +34,7 @@ _STATS = ("min", "max", "sum")
 
 def _columns(table: str) -> list[tuple[str, sa.types.TypeEngine]]:
     if table == "iterations":
-        return [(name, sa.Integer()) for name in _COLUMNS]
+        return [(name, sa.Double() if name.endswith("_s") else sa.Integer()) for name in _COLUMNS]
     return [(f"{name}_{stat}", sa.Double()) for name in _COLUMNS for stat in _STATS]
 
 
