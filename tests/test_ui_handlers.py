@@ -434,3 +434,23 @@ def test_the_dashboards_polling_stays_out_of_the_access_log_at_info(server, clie
     finally:
         logger.removeHandler(capture)
         logger.setLevel(level)
+
+
+def test_slowest_requests_list_and_explain_one(server, client):
+    httpx.post(f"{server.base_url}/v1/completions", timeout=60,
+               json={"prompt": "Why is the sky blue?", "max_tokens": 6, "min_tokens": 6, "ignore_eos": True})
+
+    def listed():
+        rows = client.predict("1m", "e2e", api_name="/live_slowest")["data"]
+        return rows or None
+
+    rows = wait_for(listed)
+    e2e = [float(r[2]) for r in rows]
+    assert e2e == sorted(e2e, reverse=True)  # slowest first
+    split, plot = client.predict(rows[0][0], api_name="/live_request_split")
+    assert f"(row {rows[0][0]})" in split and "· queueing" in split and "· prefill compute" in split
+    figure = json.loads(plot["plot"])
+    assert [t["name"] for t in figure["data"]] == ["batch size", "prefill tokens", "KV %", "step ms"]
+    assert len(figure["data"][0]["x"]) >= 6  # at least its own prefill and decode iterations
+    error, _ = client.predict(10**9, api_name="/live_request_split")
+    assert "no request row" in error

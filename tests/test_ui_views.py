@@ -14,7 +14,8 @@ from appliance.engine.stats import IterationStats, KnobChange, RequestStats
 from appliance.telemetry import runs, store
 from appliance.telemetry.writer import TelemetryWriter
 from appliance.records import HoldCause
-from ui import charts, holding, live_tab, reports, runs_tab
+from appliance.telemetry import request_split
+from ui import charts, holding, live_tab, reports, runs_tab, slow_requests
 from ui.api_client import ApiError, ChatStats, _take_chat_event
 from ui.chat_tab import build_messages, message_text, stats_row
 from ui.knobs_panel import (
@@ -274,6 +275,20 @@ def test_runs_table_compare_and_reports(filled_store, tmp_path):
     with pytest.raises(ValueError, match="at least one run"):
         reports.export(url, [], "CSV")
     engine.dispose()
+
+
+def test_slowest_requests_of_a_run_and_one_explained(filled_store):
+    url, now, _ = filled_store
+    rows = request_split.slowest_requests(url, run_id="run-a", by="ttft")
+    table = slow_requests.table_rows(rows)
+    assert [r[1] for r in table] == [f"req-{i}" for i in range(5, -1, -1)]  # TTFT 0.6 s .. 0.1 s
+    assert table[0][3] == "0.600" and table[0][2] == "2.000"
+    split = request_split.request_split(url, rows[0]["id"])
+    text = slow_requests.split_markdown(split)
+    assert "| TTFT | 0.600 | 30 % |" in text and "| · queueing | 0.010 |" in text
+    fig = slow_requests.timeline_figure(split)
+    assert len(fig.data[0].x) == len(split.iterations) > 0
+    assert [s.fillcolor for s in fig.layout.shapes] == [c for _, c in slow_requests.PHASES]
 
 
 def test_charts_label_changes_and_handle_no_data():

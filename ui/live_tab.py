@@ -26,14 +26,15 @@ import gradio as gr
 import plotly.graph_objects as go
 from sqlalchemy.exc import SQLAlchemyError
 
-from appliance.telemetry import queries, runs
 from appliance.records import HoldCause
+from appliance.telemetry import queries, runs
 from appliance.telemetry.queries import HeldTime, LatencyPoint, Series
 from ui import charts, holding
 from ui.api_client import ApiError
 from ui.context import DashboardContext
 from ui.knobs_panel import effective_markdown
 from ui.live_plot import LivePlot, PlotPayload
+from ui.slow_requests import Scope, SlowRequestsPanel
 
 REFRESH_S = 1.0
 IDLE_REFRESH_S = 4.0  # the slowest a session's refresh gets while nothing changes
@@ -388,6 +389,8 @@ class LiveTab:
         self.ctx = ctx
         self.db = db
         self.cache = LiveCache(self.snapshot, clock=clock)
+        self.clock = clock
+        self.slow = SlowRequestsPanel(ctx, db, "live", self.scope)
 
     def build(self) -> None:
         with gr.Row():
@@ -400,6 +403,7 @@ class LiveTab:
             with gr.Row():
                 for chart_id in CHART_IDS[i:i + 2]:
                     self.plots.append(LivePlot(chart_id))
+        self.slow.build(self.window)
         self.timer = gr.Timer(REFRESH_S)
         self.seen = gr.State(None)  # per session: what its page shows, and its refresh interval
 
@@ -415,6 +419,11 @@ class LiveTab:
                         trigger_mode="always_last")
         self.window.change(self.refresh, [self.window, self.paused], outputs, api_name="live_refresh",
                            show_progress="hidden")
+
+    def scope(self, choice: str | None) -> Scope:
+        """The slowest-requests scope of a window choice."""
+        window = resolve_window(self.db, choice, self.clock())
+        return window.since, window.until, window.run_id
 
     def snapshot(self, choice: str, now: float) -> Snapshot:
         """Build the outputs of `choice` at `now` (LiveCache calls this once per tick)."""
