@@ -454,3 +454,16 @@ def test_slowest_requests_list_and_explain_one(server, client):
     assert len(figure["data"][0]["x"]) >= 6  # at least its own prefill and decode iterations
     error, _ = client.predict(10**9, api_name="/live_request_split")
     assert "no request row" in error
+
+
+def test_autopilot_switch_in_the_knobs_panel(server, client):
+    on, status = client.predict(True, "ttft_p99=fast", api_name="/autopilot_switch")
+    assert on is False and "spec.ttft_p99" in status  # rejected: the switch goes back, nothing changed
+    assert httpx.get(f"{server.base_url}/admin/autopilot").json()["enabled"] is False
+    on, status = client.predict(True, "ttft_p99=5s,max_num_seqs=16..64", api_name="/autopilot_switch")
+    assert on is True and status.startswith("**Autopilot on**") and "max_num_seqs 16..64" in status
+    view = httpx.get(f"{server.base_url}/admin/autopilot").json()
+    assert view["enabled"] is True and view["spec"]["targets"] == {"ttft_p99": 5.0}
+    on, status = client.predict(False, "", api_name="/autopilot_switch")
+    assert on is False and status.startswith("**Autopilot off**")
+    assert httpx.get(f"{server.base_url}/admin/autopilot").json()["enabled"] is False
