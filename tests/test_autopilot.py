@@ -191,6 +191,7 @@ def test_admin_autopilot_route(live_server):
     base = live_server.base_url
     view = httpx.get(f"{base}/admin/autopilot").json()
     assert view["enabled"] is False and view["status"] == "off"
+    assert httpx.get(f"{base}/admin/state").json()["autopilot"] == "off"  # what the Live headline shows
     bad = httpx.patch(f"{base}/admin/autopilot", json={"enabled": True, "spec": "ttft_p99=fast"})
     assert bad.status_code == 422 and "spec.ttft_p99" in bad.json()["error"]["message"]
     assert httpx.get(f"{base}/admin/autopilot").json() == view  # nothing changed

@@ -239,9 +239,11 @@ def test_headline_and_run_window(filled_store):
     engine = store.make_engine(url)
     html = live_tab.headline_html(
         {"running": 3, "waiting": 1, "kv_blocks_used": 128, "kv_blocks_total": 512, "uptime_s": 3725,
-         "model": "m", "device": "cpu", "telemetry_rows_dropped": 0},
+         "model": "m", "device": "cpu", "telemetry_rows_dropped": 0,
+         "autopilot": "off after an error: RuntimeError: boom"},
         {"knobs": {"max_num_seqs": 16, "scheduling_policy": "static"}}, 12.5, 2, reading="No request <waited>")
     for text in ("3 / 1 (max 16)", "12.5", "25.0% (128/512)", "1h 02m", "static",
+                 "off after an error: RuntimeError: boom",
                  '<div data-stat="holding" style="margin-top:6px;font-size:13px">No request &lt;waited&gt;</div>'):
         assert text in html
     window = live_tab.resolve_window(engine, "run:run-a", now=now)
@@ -295,6 +297,7 @@ def test_charts_label_changes_and_handle_no_data():
     change = {"version": 4, "old": {"scheduling_policy": "continuous", "max_num_seqs": 8},
               "new": {"scheduling_policy": "static", "max_num_seqs": 8}, "applied_at": time.time()}
     assert charts.change_label(change) == "v4: scheduling_policy continuous→static"
+    assert charts.change_label({**change, "source": "autopilot"}) == "v4 (autopilot): scheduling_policy continuous→static"
     fig = charts.bar_figure("t", "y", ["a"], {})
     assert any("pick runs" in a.text for a in fig.layout.annotations)
 

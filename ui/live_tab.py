@@ -312,6 +312,7 @@ def headline_html(state: dict[str, Any] | None, knobs: dict[str, Any] | None, to
         ("model", "model", str(state.get("model", "—"))),
         ("device", "device", str(state.get("device", "—"))),
         ("policy", "policy", str(k.get("scheduling_policy", "—"))),
+        ("autopilot", "autopilot", str(state.get("autopilot", "—"))),
     ]
     body = "".join(
         f'<div class="stat" data-stat="{key}" style="padding:6px 12px;border:1px solid #e5e7eb;'

@@ -177,6 +177,7 @@ class AppState:
             "replica_id": self.config.replica_id,
             "telemetry_rows_dropped": self.telemetry_rows_dropped(),
             "in_flight": self.inflight,
+            "autopilot": self.autopilot.view()["status"],  # "off", "watching", "holding: ...", "off after an error: ..."
         }
 
     def _metrics_snapshot(self) -> dict[str, Any]:
