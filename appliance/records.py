@@ -53,6 +53,22 @@ class RunStatus(StrEnum):
 FINAL_STATUSES: tuple[RunStatus, ...] = tuple(s for s in RunStatus if s is not RunStatus.RUNNING)
 
 
+class HoldCause(StrEnum):
+    """Why a waiting request was not admitted in an iteration: the limit the scheduler's
+    admission stopped at (the value is the knob's name, or the resource's)."""
+
+    MAX_NUM_SEQS = "max_num_seqs"
+    TOKEN_BUDGET = "max_num_batched_tokens"
+    KV_BLOCKS = "kv_blocks"
+    PARTIAL_PREFILLS = "max_num_partial_prefills"
+    LONG_PARTIAL_PREFILLS = "max_long_partial_prefills"
+
+    @property
+    def column(self) -> str:
+        """The IterationStats field (and store column) that counts this cause."""
+        return f"held_by_{self.name.lower()}"
+
+
 @dataclass(frozen=True)
 class IterationStats:
     """What one engine iteration did."""
@@ -61,6 +77,8 @@ class IterationStats:
     started_at: float = metric("wall clock (time.time()) when the iteration began", unit="s")
     duration_s: float = metric("wall time of the whole iteration (schedule + forward + postprocess)",
                                unit="s", label="step time", rollup=True)
+    sample_s: float = metric("wall time after the forward pass: sampling, detokenizing, stop checks",
+                             unit="s", label="sampling time", rollup=True)
     running: int = metric("sequences holding a running slot after scheduling", unit="sequences", rollup=True)
     waiting: int = metric("requests left waiting after scheduling", unit="requests", rollup=True)
     prefill_seqs: int = metric("sequences given a prefill chunk", unit="sequences", rollup=True)
@@ -79,6 +97,23 @@ class IterationStats:
     preemptions: int = metric("sequences preempted during this iteration", unit="sequences", rollup=True)
     finished: int = metric("requests that ended during this iteration", unit="requests", rollup=True)
     knob_version: int = metric("version of the knob set in force", rollup=True)
+    held_by_max_num_seqs: int = metric("waiting requests not admitted because max_num_seqs were running",
+                                       unit="requests", label="held: max_num_seqs", rollup=True)
+    held_by_token_budget: int = metric("waiting requests not admitted because the token budget was used up",
+                                       unit="requests", label="held: token budget", rollup=True)
+    held_by_kv_blocks: int = metric("waiting requests not admitted for lack of free KV blocks "
+                                    "(or because a preemption happened this iteration)",
+                                    unit="requests", label="held: KV blocks", rollup=True)
+    held_by_partial_prefills: int = metric("waiting requests not admitted because max_num_partial_prefills "
+                                           "prefills were unfinished", unit="requests",
+                                           label="held: partial prefills", rollup=True)
+    held_by_long_partial_prefills: int = metric("long-prompt requests skipped because "
+                                                "max_long_partial_prefills long prefills were unfinished",
+                                                unit="requests", label="held: long partial prefills",
+                                                rollup=True)
+    chunk_deferred_tokens: int = metric("prefill tokens that fitted the budget but were left for later "
+                                        "iterations by long_prefill_token_threshold", unit="tokens",
+                                        label="deferred by chunk", rollup=True)
     policy: str = metric("scheduling policy in force", max_length=32)
     decode_context_tokens: int | None = metric(
         "tokens the decode rows attend to (each row's context and its new token); None on rows stored "

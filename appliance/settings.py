@@ -13,7 +13,7 @@ CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 ENGINE_KEYS = ("model", "dtype", "device", "block_size", "num_blocks", "kv_cache_memory",
                "gpu_memory_utilization", "max_model_len", "seed", "cpu_kernels")
 SERVER_KEYS = ("host", "port", "api_key", "max_waiting", "db", "replica_id", "drain_grace_s",
-               "telemetry_retention", "max_body_bytes", "served_model_name")
+               "telemetry_retention", "max_body_bytes", "served_model_name", "autopilot")
 KNOB_KEYS = Knobs.names()
 
 

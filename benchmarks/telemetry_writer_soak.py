@@ -70,6 +70,9 @@ def main() -> int:
             preemptions=int(i % 997 == 0),
             finished=int(i % 50 == 0),
             knob_version=1 + i // 250_000,
+            sample_s=0.0,
+            held_by_max_num_seqs=0, held_by_token_budget=0, held_by_kv_blocks=0, held_by_partial_prefills=0,
+            held_by_long_partial_prefills=0, chunk_deferred_tokens=0,
             policy="continuous",
             decode_context_tokens=0,
         )

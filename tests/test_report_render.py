@@ -129,6 +129,14 @@ def test_json_report(stored, ids):
     assert series["running"]["t"] and max(series["running"]["max"]) <= 3
     assert report["comparison"]["knob_diff"] == {"max_num_seqs": [2, 8]}
     assert all(isinstance(f["text"], str) for r in report["runs"] for f in r["findings"])
+    worst = first["worst_requests"]  # the 5 slowest of its 6 requests by E2E, each split
+    assert len(worst) == 5 and [w["e2e_s"] for w in worst] == sorted((w["e2e_s"] for w in worst), reverse=True)
+    for w in worst:
+        assert w["queue_s"] + w["prefill_s"] + w["first_token_sampling_s"] == pytest.approx(w["ttft_s"], abs=1e-9)
+        assert w["ttft_s"] + w["decode_own_s"] + w["decode_prefill_stall_s"] == pytest.approx(w["e2e_s"], abs=1e-9)
+    md = run_section(render_report(stored.db, ids, "md"), 1)
+    table = md.split("### Slowest requests: where their time went")[1]
+    assert all(w["request_id"] in table for w in worst)
 
 
 def test_html_has_no_external_url(stored, ids):

@@ -77,6 +77,8 @@ def check_iteration(scheduler: Scheduler, out: SchedulerOutput, running_before: 
         assert seq.num_computed_tokens <= seq.num_tokens
         if seq.status is Status.RUNNING:  # a finished one gave its blocks back
             assert len(seq.block_table) * bm.block_size >= seq.num_computed_tokens
+    if knobs.scheduling_policy == "continuous":  # each request left waiting counted under one cause
+        assert sum(out.held.values()) == len(scheduler.waiting)
     for seq in out.preempted:
         assert seq.status is Status.WAITING and not seq.block_table and seq.num_computed_tokens == 0
     assert bm.num_free_blocks + bm.num_used_blocks == bm.num_blocks

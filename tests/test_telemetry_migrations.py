@@ -44,8 +44,8 @@ def _tables_and_indexes(url: str) -> tuple[set[str], set[str]]:
 
 
 def test_revisions_are_linear_with_a_head() -> None:
-    assert store.revisions() == ["0003_step_time_models", "0002", "0001"]
-    assert store.head() == "0003_step_time_models"
+    assert store.revisions() == ["0004_binding_counters", "0003_step_time_models", "0002", "0001"]
+    assert store.head() == "0004_binding_counters"
     assert store.MIGRATIONS_DIR.name == "migrations" and (store.MIGRATIONS_DIR / "env.py").exists()
 
 
@@ -67,6 +67,8 @@ def test_downgrade_one_step_and_upgrade_again_keeps_data(url: str, tmp_path: Pat
             "INSERT INTO runs (id, replica_id, name, workload, arrival, knobs, started_at, status)"
             " VALUES ('r1', 'a', 'n', 'w', '{}', '{}', 1.0, 'running')"
         )
+    store.downgrade(url, "-1")
+    assert store.current(url) == "0003_step_time_models"
     store.downgrade(url, "-1")
     assert store.current(url) == "0002"
     tables, _ = _tables_and_indexes(url)
@@ -151,3 +153,19 @@ def test_concurrent_upgrades_of_one_file_all_succeed(url: str) -> None:
     errors = [p.communicate(timeout=120)[1] for p in procs if p.wait(timeout=120) != 0]
     assert errors == []
     assert store.current(url) == store.head()
+
+
+def test_binding_counters_migration_keeps_rows_and_reads_zero(url: str, tmp_path: Path) -> None:
+    store.upgrade(url, "0002")
+    cols = ("replica_id, iteration, started_at, duration_s, running, waiting, prefill_seqs, prefill_tokens, "
+            "decode_seqs, decode_tokens, scheduled_tokens, padding_tokens, token_budget, max_num_seqs, "
+            "kv_blocks_used, kv_blocks_free, kv_blocks_total, preemptions, finished, knob_version, policy")
+    with sqlite3.connect(tmp_path / "appliance.db") as raw:
+        raw.execute(f"INSERT INTO iterations ({cols}) VALUES ('a', 7, 1.0, 0.1, 1, 2, 0, 0, 1, 1, 1, 0, 512, 64, "
+                    "1, 9, 10, 0, 0, 0, 'continuous')")
+    store.upgrade(url)
+    with sqlite3.connect(tmp_path / "appliance.db") as raw:
+        row = raw.execute("SELECT iteration, held_by_max_num_seqs, held_by_kv_blocks, chunk_deferred_tokens "
+                          "FROM iterations").fetchall()
+    assert row == [(7, 0, 0, 0)]
+    assert _diff_from_head(url, Base.metadata) == []

@@ -36,6 +36,9 @@ def _iteration(i: int, t: float, running: int, replica_waiting: int = 0) -> Iter
         preemptions=0,
         finished=0,
         knob_version=1,
+        sample_s=0.0,
+        held_by_max_num_seqs=0, held_by_token_budget=0, held_by_kv_blocks=0, held_by_partial_prefills=0,
+        held_by_long_partial_prefills=0, chunk_deferred_tokens=0,
         policy="continuous",
         decode_context_tokens=0,
     )

@@ -133,7 +133,8 @@ def test_live_refresh_charts_the_telemetry_and_marks_knob_changes(server, client
     headline, *plots, effective = wait_for(refreshed)
     state = httpx.get(f"{server.base_url}/admin/state").json()
     assert state["model"] in headline and 'data-stat="uptime"' in headline
-    assert len(plots) == 8
+    assert len(plots) == 9
+    assert 'data-stat="holding"' in headline  # the reading of what is holding traffic back
     figures = [json.loads(p["plot"]) for p in plots]
     for plot, figure in zip(plots, figures):
         assert plot["type"] == "plotly"
@@ -433,3 +434,36 @@ def test_the_dashboards_polling_stays_out_of_the_access_log_at_info(server, clie
     finally:
         logger.removeHandler(capture)
         logger.setLevel(level)
+
+
+def test_slowest_requests_list_and_explain_one(server, client):
+    httpx.post(f"{server.base_url}/v1/completions", timeout=60,
+               json={"prompt": "Why is the sky blue?", "max_tokens": 6, "min_tokens": 6, "ignore_eos": True})
+
+    def listed():
+        rows = client.predict("1m", "e2e", api_name="/live_slowest")["data"]
+        return rows or None
+
+    rows = wait_for(listed)
+    e2e = [float(r[2]) for r in rows]
+    assert e2e == sorted(e2e, reverse=True)  # slowest first
+    split, plot = client.predict(rows[0][0], api_name="/live_request_split")
+    assert f"(row {rows[0][0]})" in split and "· queueing" in split and "· prefill compute" in split
+    figure = json.loads(plot["plot"])
+    assert [t["name"] for t in figure["data"]] == ["batch size", "prefill tokens", "KV %", "step ms"]
+    assert len(figure["data"][0]["x"]) >= 6  # at least its own prefill and decode iterations
+    error, _ = client.predict(10**9, api_name="/live_request_split")
+    assert "no request row" in error
+
+
+def test_autopilot_switch_in_the_knobs_panel(server, client):
+    on, status = client.predict(True, "ttft_p99=fast", api_name="/autopilot_switch")
+    assert on is False and "spec.ttft_p99" in status  # rejected: the switch goes back, nothing changed
+    assert httpx.get(f"{server.base_url}/admin/autopilot").json()["enabled"] is False
+    on, status = client.predict(True, "ttft_p99=5s,max_num_seqs=16..64", api_name="/autopilot_switch")
+    assert on is True and status.startswith("**Autopilot on**") and "max_num_seqs 16..64" in status
+    view = httpx.get(f"{server.base_url}/admin/autopilot").json()
+    assert view["enabled"] is True and view["spec"]["targets"] == {"ttft_p99": 5.0}
+    on, status = client.predict(False, "", api_name="/autopilot_switch")
+    assert on is False and status.startswith("**Autopilot off**")
+    assert httpx.get(f"{server.base_url}/admin/autopilot").json()["enabled"] is False

@@ -13,7 +13,9 @@ from appliance.bench.metrics import RequestResult, summarize
 from appliance.engine.stats import IterationStats, KnobChange, RequestStats
 from appliance.telemetry import runs, store
 from appliance.telemetry.writer import TelemetryWriter
-from ui import charts, live_tab, reports, runs_tab
+from appliance.records import HoldCause
+from appliance.telemetry import request_split
+from ui import charts, holding, live_tab, reports, runs_tab, slow_requests
 from ui.api_client import ApiError, ChatStats, _take_chat_event
 from ui.chat_tab import build_messages, message_text, stats_row
 from ui.knobs_panel import (
@@ -135,6 +137,10 @@ def _iteration(i: int, t: float, running: int, policy: str = "continuous", versi
         prefill_tokens=30, decode_seqs=running, decode_tokens=running, scheduled_tokens=30 + running,
         padding_tokens=0, token_budget=512, max_num_seqs=16, kv_blocks_used=64, kv_blocks_free=448,
         kv_blocks_total=512, preemptions=1 if i == 3 else 0, finished=0, knob_version=version,
+        # the 2 waiting requests: held by max_num_seqs in 3 iterations of 4, by KV blocks in the 4th
+        sample_s=0.0,
+        held_by_max_num_seqs=2 if i % 4 else 0, held_by_token_budget=0, held_by_kv_blocks=0 if i % 4 else 2,
+        held_by_partial_prefills=0, held_by_long_partial_prefills=0, chunk_deferred_tokens=0,
         policy=policy, decode_context_tokens=running * 100,
     )
 
@@ -188,6 +194,17 @@ def test_live_figures_show_the_stored_series_and_the_knob_change(filled_store):
     # latency buckets (2 s wide over 1 min) sit on a fixed grid: the fastest request (100 ms) is
     # alone in its bucket or shares it with the next one (200 ms), depending on the clock
     assert round(min(ttft[0].y)) in (100, 150) and max(ttft[2].y) <= 600 + 1e-6
+    held = figs[live_tab.CHART_IDS.index("chart-held")]
+    assert held.layout.title.text.startswith("What is holding traffic back")
+    assert [t.name for t in held.data] == [holding.LABELS[c] for c in HoldCause]
+    assert held.data[0].groupnorm == "percent"
+    by_name = {t.name: sum(t.y) for t in held.data}  # request-seconds: iterations x 2 waiting x 0.05 s
+    assert by_name["max_num_seqs"] == pytest.approx(30 * 2 * 0.05) and by_name["free KV blocks"] == pytest.approx(1.0)
+    assert data.held.totals[HoldCause.MAX_NUM_SEQS] == pytest.approx(3.0)
+    reading = data.holding_reading({"max_num_seqs": 16})
+    # 75 % of 4.0 request-s; KV peak 64/512 = 12.5 %; the knob changed in the window, so "now 16"
+    assert reading == ("75 % of the 4.0 request-s of queueing in the last 1 min was max_num_seqs (now 16) "
+                       "while KV usage stayed under 20 %: raising max_num_seqs should help.")
     for fig in figs:  # every chart marks the knob change
         labels = [a.text for a in fig.layout.annotations]
         assert "v1: max_num_seqs 64→16" in labels
@@ -222,9 +239,12 @@ def test_headline_and_run_window(filled_store):
     engine = store.make_engine(url)
     html = live_tab.headline_html(
         {"running": 3, "waiting": 1, "kv_blocks_used": 128, "kv_blocks_total": 512, "uptime_s": 3725,
-         "model": "m", "device": "cpu", "telemetry_rows_dropped": 0},
-        {"knobs": {"max_num_seqs": 16, "scheduling_policy": "static"}}, 12.5, 2)
-    for text in ("3 / 1 (max 16)", "12.5", "25.0% (128/512)", "1h 02m", "static"):
+         "model": "m", "device": "cpu", "telemetry_rows_dropped": 0,
+         "autopilot": "off after an error: RuntimeError: boom"},
+        {"knobs": {"max_num_seqs": 16, "scheduling_policy": "static"}}, 12.5, 2, reading="No request <waited>")
+    for text in ("3 / 1 (max 16)", "12.5", "25.0% (128/512)", "1h 02m", "static",
+                 "off after an error: RuntimeError: boom",
+                 '<div data-stat="holding" style="margin-top:6px;font-size:13px">No request &lt;waited&gt;</div>'):
         assert text in html
     window = live_tab.resolve_window(engine, "run:run-a", now=now)
     assert window.run_id == "run-a" and window.since == pytest.approx(now - 16)
@@ -259,10 +279,25 @@ def test_runs_table_compare_and_reports(filled_store, tmp_path):
     engine.dispose()
 
 
+def test_slowest_requests_of_a_run_and_one_explained(filled_store):
+    url, now, _ = filled_store
+    rows = request_split.slowest_requests(url, run_id="run-a", by="ttft")
+    table = slow_requests.table_rows(rows)
+    assert [r[1] for r in table] == [f"req-{i}" for i in range(5, -1, -1)]  # TTFT 0.6 s .. 0.1 s
+    assert table[0][3] == "0.600" and table[0][2] == "2.000"
+    split = request_split.request_split(url, rows[0]["id"])
+    text = slow_requests.split_markdown(split)
+    assert "| TTFT | 0.600 | 30 % |" in text and "| · queueing | 0.010 |" in text
+    fig = slow_requests.timeline_figure(split)
+    assert len(fig.data[0].x) == len(split.iterations) > 0
+    assert [s.fillcolor for s in fig.layout.shapes] == [c for _, c in slow_requests.PHASES]
+
+
 def test_charts_label_changes_and_handle_no_data():
     change = {"version": 4, "old": {"scheduling_policy": "continuous", "max_num_seqs": 8},
               "new": {"scheduling_policy": "static", "max_num_seqs": 8}, "applied_at": time.time()}
     assert charts.change_label(change) == "v4: scheduling_policy continuous→static"
+    assert charts.change_label({**change, "source": "autopilot"}) == "v4 (autopilot): scheduling_policy continuous→static"
     fig = charts.bar_figure("t", "y", ["a"], {})
     assert any("pick runs" in a.text for a in fig.layout.annotations)
 

@@ -125,6 +125,14 @@ class ApplianceAPI:
         """PATCH /admin/knobs once with `changes`; ApiError (with .errors) when rejected."""
         return self._request("PATCH", "/admin/knobs", json=changes)
 
+    def autopilot(self) -> dict[str, Any]:
+        """GET /admin/autopilot: {"enabled", "status", "spec", "moves", ...}."""
+        return self._request("GET", "/admin/autopilot")
+
+    def patch_autopilot(self, body: dict[str, Any]) -> dict[str, Any]:
+        """PATCH /admin/autopilot ({"enabled", "spec"}); ApiError (with .errors) when rejected."""
+        return self._request("PATCH", "/admin/autopilot", json=body)
+
     def knob_history(self) -> list[dict[str, Any]]:
         return self._request("GET", "/admin/knobs/history").get("data", [])
 

@@ -55,10 +55,12 @@ def stamp(t: float) -> str:
 
 
 def change_label(change: dict[str, Any]) -> str:
-    """'v3: max_num_seqs 64→16, scheduling_policy continuous→static'."""
+    """'v3: max_num_seqs 64→16, scheduling_policy continuous→static' ('v4 (autopilot): ...' for
+    the autopilot's moves)."""
     old, new = change.get("old") or {}, change.get("new") or {}
     parts = [f"{k} {old.get(k)}→{v}" for k, v in new.items() if old.get(k) != v]
-    return f"v{change.get('version')}: " + (", ".join(parts) or "no change")
+    by = " (autopilot)" if change.get("source") == "autopilot" else ""
+    return f"v{change.get('version')}{by}: " + (", ".join(parts) or "no change")
 
 
 def knob_marks(changes: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:

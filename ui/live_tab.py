@@ -26,13 +26,15 @@ import gradio as gr
 import plotly.graph_objects as go
 from sqlalchemy.exc import SQLAlchemyError
 
+from appliance.records import HoldCause
 from appliance.telemetry import queries, runs
-from appliance.telemetry.queries import LatencyPoint, Series
-from ui import charts
+from appliance.telemetry.queries import HeldTime, LatencyPoint, Series
+from ui import charts, holding
 from ui.api_client import ApiError
 from ui.context import DashboardContext
 from ui.knobs_panel import effective_markdown
 from ui.live_plot import LivePlot, PlotPayload
+from ui.slow_requests import Scope, SlowRequestsPanel
 
 REFRESH_S = 1.0
 IDLE_REFRESH_S = 4.0  # the slowest a session's refresh gets while nothing changes
@@ -42,6 +44,7 @@ RUN_PREFIX = "run:"
 SERIES_POINTS = {"1m": 120, "5m": 300, "1h": 360}
 RUN_POINTS = 300
 LATENCY_POINTS = 30
+HELD_POINTS = 60  # buckets of the "what is holding traffic back" chart
 RATE_WINDOW_S = 5.0  # the headline's tokens/s is measured over the last few seconds
 
 
@@ -65,6 +68,7 @@ CHARTS = (
     LiveChart("chart-throughput", ("decode_tokens",)),
     LiveChart("chart-ttft"),  # request latencies, not iteration series
     LiveChart("chart-itl"),
+    LiveChart("chart-held"),  # queued request-time by cause (queries.held_time)
 )
 CHART_IDS = tuple(chart.id for chart in CHARTS)
 HEADLINE_SERIES = ("preemptions",)  # the headline's preemption count over the window
@@ -87,6 +91,19 @@ class LiveData:
     ttft: list[LatencyPoint]
     itl: list[LatencyPoint]
     changes: list[dict[str, Any]]
+    held: HeldTime
+
+    def kv_peak(self) -> float | None:
+        """The highest KV usage in the window (0..1), None without iterations."""
+        used, total = self.series["kv_blocks_used"].points, self.series["kv_blocks_total"].points
+        blocks = max((p.max for p in total), default=0.0)
+        return max(p.max for p in used) / blocks if used and blocks else None
+
+    def holding_reading(self, knobs: dict[str, Any]) -> str:
+        """holding.reading of this window, with the knobs in force."""
+        where = self.window.label if self.window.run_id else f"the last {self.window.label}"
+        preemptions = int(sum(p.sum for p in self.series["preemptions"].points))
+        return holding.reading(self.held.totals, where, knobs, self.kv_peak(), preemptions, bool(self.changes))
 
 
 def resolve_window(db: Any, choice: str | None, now: float | None = None) -> Window:
@@ -130,7 +147,8 @@ def fetch(db: Any, window: Window, choice: str) -> LiveData:
         for metric in ("ttft", "itl")
     }
     changes = queries.knob_timeline(db, window.since, window.until)
-    return LiveData(window, series, latency["ttft"], latency["itl"], changes)
+    held = queries.held_time(db, window.since, window.until, points=HELD_POINTS)
+    return LiveData(window, series, latency["ttft"], latency["itl"], changes, held)
 
 
 def _xy(s: Series, stat: str, scale: float = 1.0, gaps: bool = True) -> tuple[list[float], list[float | None]]:
@@ -241,6 +259,13 @@ def figure_specs(data: LiveData) -> list[dict[str, Any]]:
             line((times, [p.quantiles[q] * 1000 for p in points]), q, charts.COLORS[i], markers=True)
             for i, q in enumerate(("p50", "p90", "p99"))
         ], bool(points)))
+
+    times, by_cause = holding.stacked(data.held)
+    traces = [line((times, by_cause[cause]), holding.LABELS[cause], charts.COLORS[i], stackgroup="held")
+              for i, cause in enumerate(HoldCause)]
+    traces[0]["groupnorm"] = "percent"
+    figs.append(figure("What is holding traffic back", "% of queued request-time", traces, bool(times),
+                       yaxis={"range": [0, 100], "rangemode": "normal"}))
     return figs
 
 
@@ -268,8 +293,9 @@ def _duration(seconds: float) -> str:
 
 
 def headline_html(state: dict[str, Any] | None, knobs: dict[str, Any] | None, tokens_per_s: float,
-                  preemptions: int, error: str | None = None) -> str:
-    """The row of headline numbers (each in a [data-stat] cell)."""
+                  preemptions: int, error: str | None = None, reading: str | None = None) -> str:
+    """The row of headline numbers (each in a [data-stat] cell), then `reading` (what is holding
+    traffic back) on a line of its own."""
     state, knobs = state or {}, knobs or {}
     k = knobs.get("knobs", {})
     used, total = state.get("kv_blocks_used"), state.get("kv_blocks_total")
@@ -286,6 +312,7 @@ def headline_html(state: dict[str, Any] | None, knobs: dict[str, Any] | None, to
         ("model", "model", str(state.get("model", "—"))),
         ("device", "device", str(state.get("device", "—"))),
         ("policy", "policy", str(k.get("scheduling_policy", "—"))),
+        ("autopilot", "autopilot", str(state.get("autopilot", "—"))),
     ]
     body = "".join(
         f'<div class="stat" data-stat="{key}" style="padding:6px 12px;border:1px solid #e5e7eb;'
@@ -294,7 +321,9 @@ def headline_html(state: dict[str, Any] | None, knobs: dict[str, Any] | None, to
         for key, label, value in cells
     )
     warning = f'<div style="color:#b91c1c">{html.escape(error)}</div>' if error else ""
-    return f'{warning}<div style="display:flex;flex-wrap:wrap;gap:8px">{body}</div>'
+    line = (f'<div data-stat="holding" style="margin-top:6px;font-size:13px">{html.escape(reading)}</div>'
+            if reading else "")
+    return f'{warning}<div style="display:flex;flex-wrap:wrap;gap:8px">{body}</div>{line}'
 
 
 @dataclass(frozen=True)
@@ -361,6 +390,8 @@ class LiveTab:
         self.ctx = ctx
         self.db = db
         self.cache = LiveCache(self.snapshot, clock=clock)
+        self.clock = clock
+        self.slow = SlowRequestsPanel(ctx, db, "live", self.scope)
 
     def build(self) -> None:
         with gr.Row():
@@ -373,6 +404,7 @@ class LiveTab:
             with gr.Row():
                 for chart_id in CHART_IDS[i:i + 2]:
                     self.plots.append(LivePlot(chart_id))
+        self.slow.build(self.window)
         self.timer = gr.Timer(REFRESH_S)
         self.seen = gr.State(None)  # per session: what its page shows, and its refresh interval
 
@@ -388,6 +420,11 @@ class LiveTab:
                         trigger_mode="always_last")
         self.window.change(self.refresh, [self.window, self.paused], outputs, api_name="live_refresh",
                            show_progress="hidden")
+
+    def scope(self, choice: str | None) -> Scope:
+        """The slowest-requests scope of a window choice."""
+        window = resolve_window(self.db, choice, self.clock())
+        return window.since, window.until, window.run_id
 
     def snapshot(self, choice: str, now: float) -> Snapshot:
         """Build the outputs of `choice` at `now` (LiveCache calls this once per tick)."""
@@ -414,7 +451,9 @@ class LiveTab:
         newest = data.series["running"].points[-1:]
         activity = (error, *engine, *[(p.t, p.count) for p in newest], sum(p.count for p in data.ttft),
                     len(data.changes))
-        return Snapshot(headline_html(state, knobs, tokens_per_s, preemptions, error), plots, effective, activity)
+        reading = data.holding_reading((knobs or {}).get("knobs", {}))
+        return Snapshot(headline_html(state, knobs, tokens_per_s, preemptions, error, reading), plots, effective,
+                        activity)
 
     def refresh(self, choice: str, paused: bool, request: gr.Request) -> list[Any]:
         """Headline HTML, the charts and the knobs in force (all of them)."""

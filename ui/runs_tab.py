@@ -12,6 +12,7 @@ from appliance.telemetry import queries, runs
 from ui import charts, reports
 from ui.context import DashboardContext
 from ui.runs_view import TABLE_HEADERS, run_figures, run_label, table_row
+from ui.slow_requests import Scope, SlowRequestsPanel
 
 RUNS_LIMIT = 200
 OVERLAY_POINTS = 200
@@ -65,6 +66,7 @@ class RunsTab:
             self.throughput_plot = gr.Plot(elem_id="runs-throughput-chart", show_label=False)
             self.latency_plot = gr.Plot(elem_id="runs-latency-chart", show_label=False)
         self.overlay_plot = gr.Plot(elem_id="runs-timeseries-chart", show_label=False)
+        SlowRequestsPanel(self.ctx, self.db, "runs", self.scope).build(self.select)
 
         self.refresh_button.click(self.refresh, None, [self.table, self.select], api_name="runs_refresh")
         self.compare_button.click(self.compare, [self.select],
@@ -72,6 +74,13 @@ class RunsTab:
                                   api_name="runs_compare")
         self.export_button.click(self.export, [self.select, self.format], [self.status, self.report_file],
                                  api_name="report_export")
+
+    @staticmethod
+    def scope(run_ids: list[str] | None) -> Scope:
+        """The slowest-requests scope: the first selected run."""
+        if not run_ids:
+            raise gr.Error("Select a run first.")
+        return None, None, run_ids[0]
 
     @property
     def refresh_outputs(self) -> list[gr.components.Component]:

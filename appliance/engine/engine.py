@@ -219,15 +219,20 @@ class LLMEngine:
         if sched.is_empty:
             return outputs
         context = decode_context_tokens(sched)
+        forward_end = None
         try:
-            outputs.extend(self._postprocess(sched, self.runner.execute(sched)))
+            result = self.runner.execute(sched)
+            forward_end = time.perf_counter()
+            outputs.extend(self._postprocess(sched, result))
         except Exception as exc:  # the model or sampler failed: end this batch's requests, keep serving
             log.exception("iteration %d failed; ending its %d requests with an error", self.iteration, len(sched.scheduled))
             for item in sched.scheduled:  # each gets exactly one final output
                 if not item.seq.is_finished:
                     self._finish(item.seq, FinishReason.ERROR, error=f"internal error in the model: {type(exc).__name__}")
                 outputs.append(self._output(item.seq, [], ""))
-        self._publish(sched, started, time.perf_counter() - t0, sum(o.finished for o in outputs), context)
+        end = time.perf_counter()
+        sample_s = end - forward_end if forward_end is not None else 0.0
+        self._publish(sched, started, end - t0, sample_s, sum(o.finished for o in outputs), context)
         return outputs
 
     def generate(self, prompts: list[str | list[int]], params: SamplingParams) -> list[RequestOutput]:
@@ -335,11 +340,11 @@ class LLMEngine:
             metrics=seq.stats,
         )
 
-    def _publish(self, sched: SchedulerOutput, started: float, duration: float, finished: int,
+    def _publish(self, sched: SchedulerOutput, started: float, duration: float, sample_s: float, finished: int,
                  context: int) -> None:
         stats = iteration_stats(sched, self.scheduler, iteration=self.iteration, started_at=started,
-                                duration_s=duration, finished=finished, decode_context_tokens=context,
-                                knob_version=self.knob_version)
+                                duration_s=duration, sample_s=sample_s, finished=finished,
+                                decode_context_tokens=context, knob_version=self.knob_version)
         self.last_stats = stats
         self.iteration += 1
         for sink in self.sinks:

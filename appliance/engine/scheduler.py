@@ -7,6 +7,12 @@ then waiting requests FCFS (short prompts may overtake long ones when the long-p
 taken). When blocks run out, the most recently arrived running sequence is preempted by
 recompute: its blocks are freed and it goes back to the head of the waiting queue.
 
+Each iteration also records what held traffic back, counted where the decisions are taken (no
+extra pass): every request still waiting after admission is counted under the one limit that
+stopped it (`HoldCause`; a long prompt skipped for a shorter one counts under
+max_long_partial_prefills), and prefill tokens that fitted the budget but not the chunk size are
+counted as deferred. Continuous policy only; preemptions are `preempted` itself.
+
 The `static` policy is the classic padded batch kept for A/B comparison: a batch is admitted only
 when none is running, and members that finish stay in it as padding rows until the last one ends.
 """
@@ -18,6 +24,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from ..records import HoldCause
 from .block_manager import BlockManager
 from .knobs import Knobs
 from .sequence import Sequence, Status
@@ -35,6 +42,12 @@ class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     padding_rows: int = 0  # static policy: finished members still computed as padding
+    held: dict[HoldCause, int] = field(default_factory=dict)  # waiting requests by what held them
+    chunk_deferred_tokens: int = 0  # prefill tokens within the budget left for later by the chunk size
+
+    def hold(self, cause: HoldCause, count: int) -> None:
+        if count:
+            self.held[cause] = self.held.get(cause, 0) + count
 
     @property
     def num_tokens(self) -> int:
@@ -107,9 +120,11 @@ class Scheduler:
                 break
             if seq.status is not Status.RUNNING:
                 continue
-            n, released = self._reserve(seq, min(seq.num_uncomputed, chunk, budget), out)
+            wanted = min(seq.num_uncomputed, budget)
+            n, released = self._reserve(seq, min(wanted, chunk), out)
             budget += released
             if n:
+                out.chunk_deferred_tokens += wanted - min(wanted, chunk)
                 out.scheduled.append(ScheduledSeq(seq, n, is_prefill=True))
                 budget -= n
 
@@ -117,6 +132,8 @@ class Scheduler:
             out.padding_rows = self._static_finished_members
         elif not out.preempted:
             self._admit(out, budget, chunk)
+        else:  # a preemption this iteration: nothing is admitted, for lack of KV blocks
+            out.hold(HoldCause.KV_BLOCKS, len(self.waiting))
         now = self.clock()
         for item in out.scheduled:
             if item.seq.first_scheduled is None:
@@ -146,18 +163,28 @@ class Scheduler:
         partial = sum(1 for s in self.running if _needs_prefill(s))
         long_partial = sum(1 for s in self.running if _needs_prefill(s) and s.num_uncomputed > chunk)
         skipped: list[Sequence] = []
-        while self.waiting and budget > 0 and len(self.running) < knobs.max_num_seqs:
-            if partial >= knobs.max_num_partial_prefills:
+        stop: HoldCause | None = None
+        while self.waiting:
+            if budget <= 0:
+                stop = HoldCause.TOKEN_BUDGET
+            elif len(self.running) >= knobs.max_num_seqs:
+                stop = HoldCause.MAX_NUM_SEQS
+            elif partial >= knobs.max_num_partial_prefills:
+                stop = HoldCause.PARTIAL_PREFILLS
+            if stop is not None:
                 break
             seq = self.waiting.popleft()
             is_long = seq.num_uncomputed > chunk
             if is_long and long_partial >= knobs.max_long_partial_prefills:
                 skipped.append(seq)  # let shorter prompts behind it go first
                 continue
-            n = self._fit(seq, min(seq.num_uncomputed, chunk, budget))
+            wanted = min(seq.num_uncomputed, budget)
+            n = self._fit(seq, min(wanted, chunk))
             if n == 0:
                 self.waiting.appendleft(seq)
-                break  # out of KV blocks: admit nothing more this iteration
+                stop = HoldCause.KV_BLOCKS  # out of KV blocks: admit nothing more this iteration
+                break
+            out.chunk_deferred_tokens += wanted - min(wanted, chunk)
             self.block_manager.allocate(seq, n)
             seq.status = Status.RUNNING
             self.running.append(seq)
@@ -166,6 +193,9 @@ class Scheduler:
             if seq.num_uncomputed - n > 0:
                 partial += 1
                 long_partial += int(is_long)
+        if stop is not None:
+            out.hold(stop, len(self.waiting))
+        out.hold(HoldCause.LONG_PARTIAL_PREFILLS, len(skipped))
         self.waiting.extendleft(reversed(skipped))
 
     def _fit(self, seq: Sequence, wanted: int) -> int:

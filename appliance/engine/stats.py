@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from ..records import (  # noqa: F401 - the engine's records, re-exported where the engine names them
     FinishReason,
+    HoldCause,
     IterationStats,
     KnobChange,
     RequestStats,
@@ -32,16 +33,18 @@ def iteration_stats(
     finished: int,
     decode_context_tokens: int,
     knob_version: int,
+    sample_s: float = 0.0,
 ) -> IterationStats:
     """The record of one iteration, from its schedule and the scheduler's state after it (the
-    engine publishes these; the simulator builds the same records on its virtual clock)."""
+    engine publishes these; the simulator builds the same records on its virtual clock, with
+    sample_s 0: it does not model the time after the forward pass)."""
     prefill = [s for s in sched.scheduled if s.is_prefill]
     decode_tokens = sum(s.num_tokens for s in sched.scheduled if not s.is_prefill)
     prefill_tokens = sum(s.num_tokens for s in prefill)
     bm = scheduler.block_manager
     knobs = scheduler.knobs
     return IterationStats(
-        iteration=iteration, started_at=started_at, duration_s=duration_s,
+        iteration=iteration, started_at=started_at, duration_s=duration_s, sample_s=sample_s,
         running=len(scheduler.running), waiting=len(scheduler.waiting),
         prefill_seqs=len(prefill), prefill_tokens=prefill_tokens,
         decode_seqs=len(sched.scheduled) - len(prefill), decode_tokens=decode_tokens,
@@ -51,6 +54,8 @@ def iteration_stats(
         kv_blocks_total=bm.num_blocks, preemptions=len(sched.preempted), finished=finished,
         knob_version=knob_version, policy=knobs.scheduling_policy,
         decode_context_tokens=decode_context_tokens,
+        chunk_deferred_tokens=sched.chunk_deferred_tokens,
+        **{cause.column: sched.held.get(cause, 0) for cause in HoldCause},
     )
 
 

@@ -8,6 +8,7 @@ import re
 from starlette.requests import Request
 
 from ..engine import KnobError
+from .autopilot_policy import SpecError, parse_spec
 from .errors import APIError, JSONResponse, ServerErrorCode
 from .protocol import parse_json, read_body
 from .state import AppState
@@ -72,3 +73,33 @@ async def knob_history(request: Request) -> JSONResponse:
 
 async def engine_state(request: Request) -> JSONResponse:
     return JSONResponse(_state(request).state_view())
+
+
+async def autopilot(request: Request) -> JSONResponse:
+    """GET: the autopilot's switch, spec, status and recent moves (each with its reason).
+    PATCH {"enabled": bool, "spec": "ttft_p99=1s,..." or {"targets": ..., "bounds": ...}}:
+    validated as a whole (422 naming each bad field, nothing changed), then applied."""
+    state = _state(request)
+    if request.method == "PATCH":
+        body = parse_json(await read_body(request, state.config.max_body_bytes))
+        errors: dict[str, str] = {}
+        if not isinstance(body, dict):
+            errors["body"] = 'must be a JSON object with "enabled" and/or "spec"'
+            body = {}
+        errors.update({k: "unknown field" for k in body if k not in ("enabled", "spec")})
+        enabled = body.get("enabled")
+        if enabled is not None and not isinstance(enabled, bool):
+            errors["enabled"] = f"must be true or false, got {enabled!r}"
+        spec = None
+        if body.get("spec") is not None:
+            try:
+                spec = parse_spec(body["spec"])
+            except SpecError as exc:
+                errors.update({f"spec.{k}": v for k, v in exc.errors.items()})
+        if enabled and spec is None and state.autopilot.spec is None:
+            errors["spec"] = "targets are required to switch the autopilot on"
+        if errors:
+            message = "invalid autopilot settings: " + "; ".join(f"{k}: {v}" for k, v in errors.items())
+            raise APIError(422, message, param=next(iter(errors)), code=ServerErrorCode.INVALID_AUTOPILOT, extra={"errors": errors})
+        state.autopilot.configure(enabled, spec)
+    return JSONResponse(state.autopilot.view())

@@ -108,6 +108,7 @@ def build_app(
         Route("/admin/knobs", admin.knobs, methods=["GET", "PATCH"]),
         Route("/admin/knobs/history", admin.knob_history, methods=["GET"]),
         Route("/admin/state", admin.engine_state, methods=["GET"]),
+        Route("/admin/autopilot", admin.autopilot, methods=["GET", "PATCH"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/openapi.json", openapi, methods=["GET"]),

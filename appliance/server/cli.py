@@ -50,6 +50,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="keep telemetry e.g. '7d', '1000000rows', '7d,1000000rows' (default: forever)")
     parser.add_argument("--served-model-name", default=None, help="model id the API reports and accepts")
     parser.add_argument("--no-dashboard", action="store_true", help="do not mount the dashboard at /ui")
+    parser.add_argument("--autopilot", default=None, metavar="SPEC",
+                        help="start the SLO autopilot: targets and knob bounds, e.g. "
+                             "ttft_p99=1s,itl_p99=150ms,max_num_seqs=8..128")
 
 
 def _is_loopback(host: str) -> bool:
@@ -115,6 +118,14 @@ def server_options(settings: dict[str, Any], args: argparse.Namespace) -> dict[s
         if not isinstance(retention, str):
             raise ValueError(f"--telemetry-retention must be text like '7d', got {retention!r}")
         parse_retention(retention)
+    autopilot = settings.get("autopilot")
+    if autopilot is not None:
+        from .autopilot_policy import SpecError, parse_spec
+
+        try:
+            parse_spec(autopilot)
+        except SpecError as exc:
+            raise ValueError(f"--autopilot {autopilot!r}: {exc}") from None
     if not _is_loopback(host) and api_key is None and not args.insecure:
         raise ValueError(
             f"refusing to listen on {host} (not a loopback address) without an API key: anyone who can "
@@ -123,7 +134,7 @@ def server_options(settings: dict[str, Any], args: argparse.Namespace) -> dict[s
         )
     return dict(host=host, port=port, api_key=api_key, max_waiting=max_waiting, max_body_bytes=max_body,
                 drain_grace_s=float(grace), replica_id=replica_id, served_model_name=served, db=db,
-                telemetry_retention=retention)
+                telemetry_retention=retention, autopilot=autopilot)
 
 
 def _check_bindable(host: str, port: int) -> None:
@@ -245,7 +256,8 @@ def serve_main(args: argparse.Namespace) -> int:
     aeng = AsyncEngine(engine, max_waiting=opts["max_waiting"])
     config = ServerConfig(served_model_name=opts["served_model_name"], api_key=opts["api_key"],
                           max_body_bytes=opts["max_body_bytes"], replica_id=opts["replica_id"], db_url=opts["db"],
-                          self_url=None if args.no_dashboard else _self_url(opts["host"], opts["port"]))
+                          self_url=None if args.no_dashboard else _self_url(opts["host"], opts["port"]),
+                          autopilot=opts["autopilot"])
     app = build_app(aeng, config, telemetry)
     uv_config = uvicorn.Config(app, host=opts["host"], port=opts["port"], log_config=None, lifespan="on",
                                timeout_graceful_shutdown=5, workers=1)

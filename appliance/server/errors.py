@@ -38,6 +38,7 @@ class ServerErrorCode(str, Enum):
     NOT_FOUND = "not_found"
     METHOD_NOT_ALLOWED = "method_not_allowed"
     INVALID_KNOBS = "invalid_knobs"
+    INVALID_AUTOPILOT = "invalid_autopilot"
     QUEUE_FULL = "queue_full"
     DRAINING = "draining"
     ENGINE_UNAVAILABLE = "engine_unavailable"

@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from ..engine.stats import FinishReason, IterationStats, RequestStats, StatsSink
+from ..engine.stats import FinishReason, HoldCause, IterationStats, RequestStats, StatsSink
 
 PREFIX = "appliance:"
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -70,6 +70,14 @@ class ServerMetrics(StatsSink):
                                        ["finished_reason"], registry=r)
         for reason in FinishReason:
             self.request_success.labels(reason)
+        self.held_requests = Counter(PREFIX + "num_requests_held",
+                                     "Waiting requests not admitted, summed over iterations, by the limit "
+                                     "that held them.", ["cause"], registry=r)
+        for cause in HoldCause:
+            self.held_requests.labels(cause)
+        self.chunk_deferred_tokens = Counter(PREFIX + "prefill_tokens_deferred_by_chunk",
+                                             "Prefill tokens within the budget left for later iterations by "
+                                             "long_prefill_token_threshold.", registry=r)
         self.iteration_tokens = Histogram(PREFIX + "iteration_tokens_total", "Tokens scheduled per iteration.",
                                           buckets=_ITERATION_TOKEN_BUCKETS, registry=r)
         self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time to first token.",
@@ -87,6 +95,12 @@ class ServerMetrics(StatsSink):
         if stats.preemptions:
             self.preemptions.inc(stats.preemptions)
         self.iteration_tokens.observe(stats.scheduled_tokens)
+        for cause in HoldCause:
+            held = getattr(stats, cause.column)
+            if held:
+                self.held_requests.labels(cause).inc(held)
+        if stats.chunk_deferred_tokens:
+            self.chunk_deferred_tokens.inc(stats.chunk_deferred_tokens)
 
     def on_request(self, stats: RequestStats) -> None:
         self.prompt_tokens.inc(stats.prompt_tokens)

@@ -14,6 +14,8 @@ import torch
 
 from ..engine import AsyncEngine, IterationStats, KnobChange, LLMEngine, RequestStats
 from ..engine.knobs import KnobSnapshot
+from .autopilot import Autopilot, loop_apply
+from .autopilot_policy import parse_spec
 from .errors import APIError, ServerErrorCode
 from .metrics import ServerMetrics
 from .protocol import build_request_models
@@ -45,6 +47,7 @@ class ServerConfig:
     replica_id: str = "default"
     db_url: str | None = None  # the telemetry store (the dashboard reads it)
     self_url: str | None = None  # this server's own base URL; set: the dashboard is mounted at /ui
+    autopilot: str | None = None  # SLO autopilot spec ("ttft_p99=1s,max_num_seqs=8..128"); set: on at start
 
 
 class AppState:
@@ -64,6 +67,9 @@ class AppState:
         self.engine.add_sink(self.metrics)
         if telemetry is not None and telemetry not in self.engine.sinks:
             self.engine.add_sink(telemetry)
+        self.autopilot = Autopilot(lambda: self.engine.knobs,
+                                   spec=parse_spec(config.autopilot) if config.autopilot else None)
+        self.engine.add_sink(self.autopilot)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
         self._key = config.api_key.encode() if config.api_key else None
 
@@ -72,6 +78,7 @@ class AppState:
         if self.telemetry is not None:
             self.telemetry.start()
         self.aeng.start()
+        self.autopilot.start(loop_apply(self.aeng, asyncio.get_running_loop()))
         self.status = "ok"
 
     async def drain(self, grace_s: float) -> int:
@@ -90,6 +97,7 @@ class AppState:
 
     def close(self) -> None:
         self.status = "stopped"
+        self.autopilot.stop()
         self.aeng.shutdown()
         if self.telemetry is not None:
             self.telemetry.close()
@@ -169,6 +177,7 @@ class AppState:
             "replica_id": self.config.replica_id,
             "telemetry_rows_dropped": self.telemetry_rows_dropped(),
             "in_flight": self.inflight,
+            "autopilot": self.autopilot.view()["status"],  # "off", "watching", "holding: ...", "off after an error: ..."
         }
 
     def _metrics_snapshot(self) -> dict[str, Any]:

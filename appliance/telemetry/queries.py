@@ -23,7 +23,7 @@ from sqlalchemy import ColumnElement, Double, bindparam, func, select
 from sqlalchemy.engine import Connection, CursorResult, Engine
 
 from appliance.numeric import percentile
-from appliance.records import COMPLETED_REASONS, RunStatus
+from appliance.records import COMPLETED_REASONS, HoldCause, RunStatus
 from appliance.telemetry.models import (
     SERIES_COLUMNS,
     Iteration,
@@ -188,6 +188,53 @@ def _points(merged: dict[int, list[float]], origin: float, width: float) -> list
         )
         for b, (n, lo, hi, total) in sorted(merged.items())
     ]
+
+
+@dataclass(frozen=True)
+class HeldTime:
+    """Queued request-time by the limit that held it: per bucket and over the whole window.
+
+    An iteration with `held_by_<cause>` = n and step time d adds n x d request-seconds to that
+    cause (the n requests waited through it)."""
+
+    since: float
+    until: float
+    bucket_s: float
+    points: list[tuple[float, dict[HoldCause, float]]]  # (bucket start, request-seconds by cause)
+    totals: dict[HoldCause, float]  # request-seconds by cause over the window
+
+
+def held_time(
+    target: Engine | str,
+    since: float | None = None,
+    until: float | None = None,
+    *,
+    replica_id: str | None = None,
+    run_id: str | None = None,
+    points: int = 60,
+) -> HeldTime:
+    """Queued request-seconds by HoldCause over [since, until) in at most `points` buckets, in
+    one aggregate query over the raw iteration rows (the rollup has no per-row products)."""
+    if not isinstance(points, int) or points < 1:
+        raise ValueError(f"points must be a positive integer, got {points!r}")
+    it = Iteration.__table__
+    with using_engine(target) as engine, engine.connect() as conn:
+        since, until, replica_id = _window(conn, since, until, replica_id, run_id)
+        width = (until - since) / points
+        offset = (it.c.started_at - bindparam("since", since, Double)) / bindparam("width", width, Double)
+        bucket = floor_int(offset, conn.dialect.name).label("b")
+        sums = [func.coalesce(func.sum(it.c[cause.column] * it.c.duration_s), 0.0) for cause in HoldCause]
+        query = (select(bucket, *sums).where(it.c.started_at >= since, it.c.started_at < until)
+                 .group_by(bucket).order_by(bucket))
+        if replica_id is not None:
+            query = query.where(it.c.replica_id == replica_id)
+        merged: dict[int, dict[HoldCause, float]] = {}
+        for b, *values in conn.execute(query):
+            acc = merged.setdefault(min(int(b), points - 1), dict.fromkeys(HoldCause, 0.0))
+            for cause, value in zip(HoldCause, values):
+                acc[cause] += float(value)
+    totals = {cause: sum(v[cause] for v in merged.values()) for cause in HoldCause}
+    return HeldTime(since, until, width, [(since + b * width, v) for b, v in sorted(merged.items())], totals)
 
 
 def latest(target: Engine | str, replica_id: str | None = None) -> dict[str, Any]:

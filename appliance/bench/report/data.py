@@ -16,7 +16,7 @@ from sqlalchemy import Double, case, cast, func, select
 from sqlalchemy.engine import Engine
 
 from appliance.bench.metrics import Distribution
-from appliance.telemetry import queries, runs
+from appliance.telemetry import queries, request_split, runs
 from appliance.telemetry.models import Iteration, Request
 from appliance.telemetry.store import using_engine
 
@@ -26,6 +26,7 @@ SERIES_POINTS = 300
 BUDGET_FULL = 0.9  # an iteration "fills" the token budget at >= 90 % of it
 KV_PINNED = 0.95  # the KV cache is "pinned" at >= 95 % of its blocks
 LATENCIES = ("ttft", "tpot", "itl", "e2e")
+WORST = 5  # the slowest requests (by E2E) whose time the report splits
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,7 @@ class RunData:
     totals: IterationTotals
     series: dict[str, SeriesData] = field(default_factory=dict)
     queue_s: list[float] = field(default_factory=list)  # server queue time per request, by arrival
+    worst: list[request_split.RequestSplit] = field(default_factory=list)  # slowest by E2E, split
 
     @property
     def run_id(self) -> str:
@@ -112,6 +114,8 @@ def load_run(target: Engine | str, run_id: str, *, series: bool = True) -> RunDa
             server=queries.run_summary(engine, run_id),
             totals=iteration_totals(engine, replica, since, until),
             queue_s=queue_times(engine, run_id),
+            worst=[request_split.request_split(engine, r["id"])
+                   for r in request_split.slowest_requests(engine, run_id=run_id, limit=WORST)],
         )
         if series and data.totals.iterations and until > since:
             data.series = {

@@ -90,6 +90,7 @@ def render_markdown(data: Sequence[RunData], comparison: Comparison | None) -> s
                 "### Latency\n", md_table(tables.latency_table(run)),
                 "### Throughput\n", md_table(tables.throughput_table(run)),
                 "### Scheduler\n", md_table(tables.iterations_table(run)),
+                "### Slowest requests: where their time went\n", md_table(tables.worst_requests_table(run)),
                 "### Findings\n"]
         notes = findings(run)
         out += [f"- {f.text}" for f in notes] if notes else ["Nothing stands out."]
@@ -151,6 +152,7 @@ def report_dict(data: Sequence[RunData], comparison: Comparison | None) -> dict[
             "series": {k: asdict(v) for k, v in run.series.items()},
             "findings": [asdict(f) for f in findings(run)],
             "requests": run.run.get("requests", []),
+            "worst_requests": [{k: v for k, v in s.as_dict().items() if k != "iterations"} for s in run.worst],
         })
     out: dict[str, Any] = {"title": TITLE, "generated": _generated(), "runs": runs, "comparison": None}
     if comparison is not None:
@@ -213,6 +215,8 @@ def _html_run(page: h.Page, index: int, run: RunData) -> None:
     page.add(f'<div class="grid">{page.chart(_latency_figure(run))}{page.chart(_completion_figure(run))}</div>')
     page.heading(3, "Scheduler (iteration telemetry)")
     page.add(h.table(*tables.iterations_table(run)))
+    page.heading(3, "Slowest requests: where their time went")
+    page.add(h.table(*tables.worst_requests_table(run)))
     if run.series:
         charts = [page.chart(fig) for fig in _series_figures(run)]
         page.add(f'<div class="grid">{"".join(charts)}</div>')

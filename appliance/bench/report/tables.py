@@ -128,6 +128,22 @@ def iterations_table(data: RunData) -> Table:
     return ["Scheduler (iteration telemetry)", "Value"], rows
 
 
+def worst_requests_table(data: RunData) -> Table:
+    """The slowest requests (by E2E) and where their time went (ms; see request_split)."""
+    def ms(seconds: float | None) -> str:
+        return ms_text(seconds, 2, "")
+
+    rows = []
+    for s in data.worst:
+        held = {k: v for k, v in s.queue_by_cause.items() if v > 0}
+        top = max(held, key=held.__getitem__) if held else None
+        rows.append([s.request_id, ms(s.e2e_s), ms(s.ttft_s), ms(s.queue_s),
+                     f"{top} ({ms(held[top])} ms)" if top else "—", ms(s.prefill_s),
+                     ms(s.first_token_sampling_s), ms(s.decode_own_s), ms(s.decode_prefill_stall_s)])
+    return ["Request", "E2E ms", "TTFT ms", "Queue ms", "Most queueing held by", "Prefill ms",
+            "First-token sampling ms", "Decode own steps ms", "Decode stall from prefill ms"], rows
+
+
 def comparison_table(comparison: Comparison) -> Table:
     headers = ["Metric", *comparison.names, "Winner", "Margin"]
     rows = []

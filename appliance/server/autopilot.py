@@ -1,0 +1,177 @@
+"""The SLO autopilot: a controller thread that reads the recent window of engine records and
+turns the knobs itself, through the same validated path as an operator's PATCH (applied at an
+iteration boundary, in knob history with source "autopilot").
+
+Guarantees: every move stays inside the operator's bounds (autopilot_policy); at most one move
+per `cooldown_s`; a knob changed by anyone else pauses it for `manual_hold_s` and a decision
+taken before that change is dropped; switching it off stops it before its next move; any error
+in the controller is logged and turns it off (serving is never touched: it runs in its own
+thread and only ever submits knob changes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from ..engine import StatsSink
+from ..records import IterationStats, KnobChange, RequestStats
+from .autopilot_policy import Move, Spec, decide, window_stats
+
+log = logging.getLogger(__name__)
+
+SOURCE = "autopilot"
+WINDOW_S = 30.0
+INTERVAL_S = 2.0
+COOLDOWN_S = 10.0
+MANUAL_HOLD_S = 60.0
+HISTORY = 50
+
+Apply = Callable[[dict[str, int]], KnobChange | None]  # submit a change through the knob path; None: no change
+
+
+class Autopilot(StatsSink):
+    """Add it to the engine's sinks; `tick(now)` takes one decision (the thread calls it every
+    INTERVAL_S; tests call it directly)."""
+
+    def __init__(self, knobs: Callable[[], Any], apply: Apply | None = None, spec: Spec | None = None, *,
+                 window_s: float = WINDOW_S, cooldown_s: float = COOLDOWN_S, manual_hold_s: float = MANUAL_HOLD_S,
+                 clock: Callable[[], float] = time.time):
+        self._knobs, self._apply, self._clock = knobs, apply, clock
+        self.spec = spec
+        self.enabled = spec is not None
+        self.window_s, self.cooldown_s, self.manual_hold_s = window_s, cooldown_s, manual_hold_s
+        self.status = "watching" if self.enabled else "off"
+        self.moves: deque[dict[str, Any]] = deque(maxlen=HISTORY)
+        self._iterations: deque[IterationStats] = deque()
+        self._requests: deque[RequestStats] = deque()
+        self._lock = threading.Lock()
+        self._last_move_at = float("-inf")
+        self._manual_at = float("-inf")
+        self._manual_seq = 0  # counts knob changes by others; a decision spanning one is dropped
+        self._last_raise: dict[str, int] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -- engine thread (sink) -----------------------------------------------------------------
+    def on_iteration(self, stats: IterationStats) -> None:
+        with self._lock:
+            self._iterations.append(stats)
+
+    def on_request(self, stats: RequestStats) -> None:
+        with self._lock:
+            self._requests.append(stats)
+
+    def on_knob_change(self, change: KnobChange) -> None:
+        if change.source != SOURCE:
+            with self._lock:
+                self._manual_at = change.applied_at
+                self._manual_seq += 1
+                self._last_raise = {}  # the operator's values are the new baseline
+
+    # -- control --------------------------------------------------------------------------------
+    def configure(self, enabled: bool | None = None, spec: Spec | None = None) -> None:
+        """Switch on/off and/or replace the spec; switching on needs a spec."""
+        with self._lock:
+            if spec is not None:
+                self.spec = spec
+            if enabled is not None:
+                if enabled and self.spec is None:
+                    raise ValueError("the autopilot needs targets before it can be switched on")
+                self.enabled = enabled
+                self.status = "watching" if enabled else "off"
+
+    def view(self) -> dict[str, Any]:
+        with self._lock:
+            return {"enabled": self.enabled, "status": self.status,
+                    "spec": self.spec.as_dict() if self.spec else None,
+                    "window_s": self.window_s, "cooldown_s": self.cooldown_s, "manual_hold_s": self.manual_hold_s,
+                    "moves": list(self.moves)}
+
+    def tick(self, now: float | None = None) -> Move | None:
+        """One decision over the last window_s; applies and returns the move, if any. Never raises:
+        an error turns the autopilot off."""
+        now = self._clock() if now is None else now
+        try:
+            with self._lock:
+                self._trim(now)
+                if not self.enabled or self.spec is None:
+                    return None
+                if now - self._manual_at < self.manual_hold_s:
+                    self.status = "holding: a knob was changed by hand"
+                    return None
+                self.status = "watching"
+                if now - self._last_move_at < self.cooldown_s:
+                    return None
+                stats = window_stats(list(self._iterations), list(self._requests))
+                seq, spec, last_raise = self._manual_seq, self.spec, dict(self._last_raise)
+            move = decide(stats, self._knobs(), spec, last_raise)
+            if move is None:
+                return None
+            with self._lock:
+                if not self.enabled or seq != self._manual_seq:
+                    return None  # switched off, or a person changed knobs, while deciding
+            if self._apply is None:
+                raise RuntimeError("the autopilot has no knob path to apply moves through")
+            before = self._knobs().as_dict()
+            change = self._apply(move.changes)
+            if change is None:  # the knobs already had these values: nothing moved
+                return None
+            with self._lock:
+                self._last_move_at = now
+                name, value = next(iter(move.changes.items()))
+                if value > before[name]:
+                    self._last_raise = {name: before[name]}
+                elif self._last_raise.get(name) is not None:
+                    self._last_raise = {}
+                self.moves.append({"at": now, "version": change.version, "changes": move.changes,
+                                   "reason": move.reason})
+                # drop the window: the next decision reads traffic under the new knobs only
+                self._iterations.clear()
+                self._requests.clear()
+            log.info("autopilot: %s", move.reason)
+            return move
+        except Exception as exc:  # noqa: BLE001 - a controller bug must never reach serving
+            log.exception("autopilot failed; switching it off")
+            with self._lock:
+                self.enabled = False
+                self.status = f"off after an error: {type(exc).__name__}: {exc}"
+            return None
+
+    def _trim(self, now: float) -> None:
+        while self._iterations and self._iterations[0].started_at < now - self.window_s:
+            self._iterations.popleft()
+        while self._requests and self._requests[0].finished < now - self.window_s:
+            self._requests.popleft()
+
+    # -- thread -----------------------------------------------------------------------------------
+    def start(self, apply: Apply | None = None, interval_s: float = INTERVAL_S) -> None:
+        if apply is not None:
+            self._apply = apply
+
+        def run() -> None:
+            while not self._stop.wait(interval_s):
+                self.tick()
+
+        self._thread = threading.Thread(target=run, name="autopilot", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+
+def loop_apply(aeng: Any, loop: asyncio.AbstractEventLoop, timeout_s: float = 30.0) -> Apply:
+    """Apply a change from the controller thread through AsyncEngine.update_knobs (the path a
+    PATCH takes) on the server's event loop, waiting until it took effect."""
+    def apply(changes: dict[str, int]) -> KnobChange | None:
+        future = asyncio.run_coroutine_threadsafe(aeng.update_knobs(changes, source=SOURCE), loop)
+        return future.result(timeout_s)
+
+    return apply

@@ -1,0 +1,201 @@
+"""The SLO autopilot's rules: its spec (targets and knob bounds), the recent window it reads,
+and the one move it chooses. Pure functions, no I/O and no clock.
+
+A rule-based controller driven by the binding-cause counters (appliance.records.HoldCause); it
+does not use the what-if simulator (not in this code base yet). Rules, in order:
+- TTFT p99 over its target: raise the knob of the limit that held most of the queued
+  request-time (max_num_seqs only while KV usage peaks under KV_ROOM; nothing when free KV blocks
+  held it: no knob here adds memory).
+- else ITL p99 over its target: halve long_prefill_token_threshold when steps carried prefill
+  chunks (smaller chunks bound the stall), else lower max_num_seqs.
+- else both under RELAX x target: give back the most recent raise, one step at a time.
+Each move stays inside the operator's bounds and is checked as a whole knob set.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from appliance.engine.knobs import KnobError, Knobs
+from appliance.records import HoldCause, IterationStats, RequestStats
+
+TARGETS = ("ttft_p99", "itl_p99")
+TUNABLE = ("max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold",
+           "max_num_partial_prefills", "max_long_partial_prefills")
+KV_ROOM = 0.8
+RELAX = 0.5  # both percentiles under this share of their targets: relax the last raise
+MIN_REQUESTS = 5  # fewer finished requests in the window: no decision
+_DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(ms|s)?\s*$")
+_RANGE = re.compile(r"^\s*(\d+)\s*\.\.\s*(\d+)\s*$")
+
+
+class SpecError(ValueError):
+    """A bad autopilot spec; `errors` maps each bad entry to a message."""
+
+    def __init__(self, errors: Mapping[str, str]):
+        self.errors = dict(errors)
+        super().__init__("; ".join(f"{k}: {v}" for k, v in self.errors.items()))
+
+
+@dataclass(frozen=True)
+class Spec:
+    """Targets (seconds) and inclusive knob bounds."""
+
+    targets: dict[str, float]
+    bounds: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"targets": dict(self.targets), "bounds": {k: list(v) for k, v in self.bounds.items()}}
+
+
+def parse_spec(text: str | Mapping[str, Any]) -> Spec:
+    """"ttft_p99=1s,itl_p99=150ms,max_num_seqs=8..128" (or the same as a mapping with
+    "targets" / "bounds"). Raises SpecError naming every bad entry."""
+    if isinstance(text, Mapping):
+        items = [(k, v) for k, v in dict(text.get("targets") or {}).items()]
+        items += [(k, f"{v[0]}..{v[1]}" if isinstance(v, (list, tuple)) and len(v) == 2 else v)
+                  for k, v in dict(text.get("bounds") or {}).items()]
+        unknown = set(text) - {"targets", "bounds"}
+        errors = {k: "unknown field (use targets and bounds)" for k in unknown}
+    else:
+        errors = {}
+        items = []
+        for part in filter(None, (p.strip() for p in str(text).split(","))):
+            key, sep, value = part.partition("=")
+            if not sep:
+                errors[part] = "expected name=value"
+            else:
+                items.append((key.strip(), value))
+    targets: dict[str, float] = {}
+    bounds: dict[str, tuple[int, int]] = {}
+    for key, value in items:
+        if key in TARGETS:
+            seconds = _seconds(value)
+            if seconds is None or seconds <= 0:
+                errors[key] = f"must be a positive duration such as 1s or 150ms, got {value!r}"
+            else:
+                targets[key] = seconds
+        elif key in TUNABLE:
+            m = _RANGE.match(str(value))
+            lo, hi = (int(m.group(1)), int(m.group(2))) if m else (0, -1)
+            if not m or not 1 <= lo <= hi:
+                errors[key] = f"must be a range lo..hi with 1 <= lo <= hi, got {value!r}"
+            else:
+                bounds[key] = (lo, hi)
+        elif key not in errors:
+            errors[key] = f"unknown; targets are {', '.join(TARGETS)}, bounds any of {', '.join(TUNABLE)}"
+    if not targets and not errors:
+        errors["targets"] = f"at least one of {', '.join(TARGETS)} is required"
+    if errors:
+        raise SpecError(errors)
+    return Spec(targets, bounds)
+
+
+def _seconds(value: Any) -> float | None:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    m = _DURATION.match(str(value))
+    if not m:
+        return None
+    return float(m.group(1)) / (1000 if m.group(2) == "ms" else 1)
+
+
+@dataclass(frozen=True)
+class WindowStats:
+    """What the controller reads of the recent window."""
+
+    requests: int
+    ttft_p99: float | None
+    itl_p99: float | None  # p99 over requests of their mean inter-token time
+    held_s: dict[HoldCause, float]  # queued request-seconds by cause
+    kv_peak: float  # 0..1
+    prefill_step_share: float  # share of steps that carried prefill chunks
+
+
+def window_stats(iterations: Sequence[IterationStats], requests: Sequence[RequestStats]) -> WindowStats:
+    ttft = sorted(r.first_token - r.arrival for r in requests if r.first_token is not None)
+    itl = sorted((r.finished - r.first_token) / (r.output_tokens - 1)
+                 for r in requests if r.first_token is not None and r.output_tokens > 1)
+    held = {c: sum(getattr(it, c.column) * it.duration_s for it in iterations) for c in HoldCause}
+    kv = max((it.kv_blocks_used / it.kv_blocks_total for it in iterations if it.kv_blocks_total), default=0.0)
+    prefill = sum(1 for it in iterations if it.prefill_tokens > 0)
+    return WindowStats(len(requests), _p99(ttft), _p99(itl), held, kv,
+                       prefill / len(iterations) if iterations else 0.0)
+
+
+def _p99(values: list[float]) -> float | None:
+    if not values:
+        return None
+    pos = (len(values) - 1) * 0.99
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(values) - 1)
+    return values[lo] + (values[hi] - values[lo]) * (pos - lo)
+
+
+@dataclass(frozen=True)
+class Move:
+    changes: dict[str, int]
+    reason: str
+
+
+def decide(w: WindowStats, knobs: Knobs, spec: Spec, last_raise: dict[str, int] | None = None) -> Move | None:
+    """The one move for this window, or None. `last_raise`: {knob: value before} of the most
+    recent raise still in force (what relaxing gives back)."""
+    if w.requests < MIN_REQUESTS:
+        return None
+    ttft_t, itl_t = spec.targets.get("ttft_p99"), spec.targets.get("itl_p99")
+    ttft_over = ttft_t is not None and w.ttft_p99 is not None and w.ttft_p99 > ttft_t
+    itl_over = itl_t is not None and w.itl_p99 is not None and w.itl_p99 > itl_t
+    k = knobs.as_dict()
+    if ttft_over:
+        why = f"TTFT p99 {w.ttft_p99:.3f} s > target {ttft_t:.3f} s"
+        total = sum(w.held_s.values())
+        if total <= 0:
+            return None
+        cause = max(HoldCause, key=lambda c: w.held_s[c])
+        share = f"{w.held_s[cause] / total:.0%} of queueing held by {cause}"
+        if cause is HoldCause.MAX_NUM_SEQS:
+            if w.kv_peak >= KV_ROOM:
+                return None
+            return _move(knobs, spec, "max_num_seqs", math.ceil(k["max_num_seqs"] * 1.5),
+                         f"{why}; {share}, KV peak {w.kv_peak:.0%}")
+        if cause is HoldCause.TOKEN_BUDGET:
+            return _move(knobs, spec, "max_num_batched_tokens", math.ceil(k["max_num_batched_tokens"] * 1.5),
+                         f"{why}; {share}")
+        if cause is HoldCause.PARTIAL_PREFILLS:
+            return _move(knobs, spec, "max_num_partial_prefills", k["max_num_partial_prefills"] + 1, f"{why}; {share}")
+        if cause is HoldCause.LONG_PARTIAL_PREFILLS:
+            return _move(knobs, spec, "max_long_partial_prefills", k["max_long_partial_prefills"] + 1,
+                         f"{why}; {share}")
+        return None  # free KV blocks: no knob here adds memory
+    if itl_over:
+        why = f"ITL p99 {w.itl_p99 * 1000:.0f} ms > target {itl_t * 1000:.0f} ms"
+        if w.prefill_step_share > 0:
+            move = _move(knobs, spec, "long_prefill_token_threshold", max(1, k["long_prefill_token_threshold"] // 2),
+                         f"{why}; {w.prefill_step_share:.0%} of steps carried prefill chunks")
+            if move is not None:
+                return move
+        return _move(knobs, spec, "max_num_seqs", max(1, math.floor(k["max_num_seqs"] * 0.75)), why)
+    relaxed = all(w_v is None or t is None or w_v < RELAX * t for w_v, t in ((w.ttft_p99, ttft_t), (w.itl_p99, itl_t)))
+    if relaxed and last_raise:
+        name, before = next(iter(last_raise.items()))
+        return _move(knobs, spec, name, before, f"TTFT and ITL p99 under {RELAX:.0%} of their targets: "
+                                               f"giving back the last raise of {name}")
+    return None
+
+
+def _move(knobs: Knobs, spec: Spec, name: str, wanted: int, reason: str) -> Move | None:
+    lo, hi = spec.bounds.get(name, (1, 1 << 30))
+    value = min(hi, max(lo, wanted))
+    current = knobs.as_dict()[name]
+    if value == current:
+        return None
+    try:
+        knobs.with_changes({name: value})
+    except KnobError:
+        return None  # would break a cross-knob rule (e.g. budget >= max_num_seqs): no move
+    return Move({name: value}, f"{name} {current}→{value}: {reason}")
