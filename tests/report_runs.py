@@ -29,10 +29,16 @@ def requests(n: int = 6):
 
 
 async def _run(base_url: str, db: str, name: str, change: dict | None) -> BenchmarkRun:
-    generator = LoadGenerator(requests(), base_url=base_url)
+    first_done = asyncio.Event()  # the change lands mid-run: after the first of six requests ended
+
+    def progress(p) -> None:
+        if p.done >= 1:
+            first_done.set()
+
+    generator = LoadGenerator(requests(), base_url=base_url, progress=progress)
     task = asyncio.ensure_future(run_benchmark(generator, workload="skewed n=6", name=name, db_url=db))
     if change:
-        await asyncio.sleep(0.4)
+        await asyncio.wait_for(first_done.wait(), timeout=300)
         async with httpx.AsyncClient(base_url=base_url) as client:
             assert (await client.patch("/admin/knobs", json=change)).status_code == 200
     return await task
