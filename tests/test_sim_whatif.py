@@ -100,7 +100,8 @@ def test_a_recorded_run_at_one_sequence_queues_more_and_nothing_is_applied(recor
     assert model["run_id"] == run_id and model["rows_used"] + model["rows_held_out"] >= 20
     assert 0 <= model["heldout_mape"] < 10
     source = report["source"]
-    assert source["kind"] == "run" and source["since"] <= model["window_start"] <= model["window_end"] <= source["until"]
+    assert source["kind"] == "run"
+    assert source["since"] <= model["window_start"] <= model["window_end"] <= source["until"]
     assert report["recorded"]["completed"] == 30 and report["recorded_by"] == "client"
     assert knobs_in_force(srv) == before and stored_models(srv) == models + 1
 

@@ -22,7 +22,7 @@ from typing import Any
 from starlette.requests import Request
 
 from ..engine import KnobError, Knobs
-from .errors import APIError, JSONResponse, bad_request
+from .errors import APIError, JSONResponse, ServerErrorCode, bad_request
 from .protocol import parse_json, read_body
 from .state import AppState
 
@@ -53,7 +53,8 @@ def parse_query(body: Any) -> SimulateQuery:
         raise bad_request("the body must be a JSON object: {\"run_id\" or \"last_minutes\", \"knobs\"}", param="body")
     unknown = sorted(set(body) - {"run_id", "last_minutes", "knobs"})
     if unknown:
-        raise bad_request(f"unknown field {unknown[0]!r} (expected run_id or last_minutes, and knobs)", param=unknown[0])
+        raise bad_request(f"unknown field {unknown[0]!r} (expected run_id or last_minutes, and knobs)",
+                          param=unknown[0])
     run_id, minutes = body.get("run_id"), body.get("last_minutes")
     if (run_id is None) == (minutes is None):
         raise bad_request("give exactly one of run_id (a recorded run) and last_minutes (this replica's recent "
@@ -76,7 +77,8 @@ def parse_query(body: Any) -> SimulateQuery:
 
 def knob_error(errors: dict[str, str]) -> APIError:
     message = "invalid knobs: " + "; ".join(f"{k}: {v}" for k, v in errors.items())
-    return APIError(400, message, param=next(iter(errors), None), code="invalid_knobs", extra={"errors": errors})
+    return APIError(400, message, param=next(iter(errors), None), code=ServerErrorCode.INVALID_KNOBS,
+                    extra={"errors": errors})
 
 
 class NoMatch(Exception):
@@ -140,19 +142,19 @@ async def simulate(request: Request) -> JSONResponse:
     query = parse_query(parse_json(await read_body(request, state.config.max_body_bytes)))
     if state.config.db_url is None:
         raise APIError(503, "this server keeps no telemetry store, so it has nothing to simulate from",
-                       code="no_telemetry_store")
-    engine = state.engine
-    running = Running(state.config.replica_id, engine.knobs, state.fixed(),
-                      [c.as_dict() for c in engine.knob_history], state.aeng.started_at)
+                       code=ServerErrorCode.NO_TELEMETRY_STORE)
+    knobs = state.knob_snapshot()
+    running = Running(state.config.replica_id, knobs.knobs, state.fixed(), [c.as_dict() for c in knobs.history],
+                      state.aeng.started_at)
     param = "run_id" if query.run_id is not None else "last_minutes"
     try:
         report = await asyncio.to_thread(answer, state.config.db_url, query, running)
     except KnobError as exc:
         raise knob_error(exc.errors) from None
     except LookupError as exc:
-        raise bad_request(str(exc), param=param, code="run_not_found") from None
+        raise bad_request(str(exc), param=param, code=ServerErrorCode.RUN_NOT_FOUND) from None
     except NoMatch as exc:
-        raise APIError(422, str(exc), param=param, code="no_matching_iterations") from None
+        raise APIError(422, str(exc), param=param, code=ServerErrorCode.NO_MATCHING_ITERATIONS) from None
     except ValueError as exc:  # FitError, ReplayError: the run cannot be replayed
         raise bad_request(str(exc), param=param) from None
     return JSONResponse(report)
