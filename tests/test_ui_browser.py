@@ -269,6 +269,33 @@ def test_small_load_test_finishes_in_the_runs_table_and_exports_a_report(server,
         shutil.copyfile(ARTIFACTS / "ui-live-after-load.png", ROOT / "docs" / "dashboard.png")
 
 
+def test_what_if_predicts_the_last_minutes_and_applies_the_same_knobs(server, page):
+    for _ in range(3):  # traffic of the running engine to fit on (16 iterations each, one at a time)
+        httpx.post(f"{server.base_url}/v1/completions", timeout=60,
+                   json={"prompt": "Hi", "max_tokens": 16, "min_tokens": 16, "ignore_eos": True})
+    before = knobs(server)
+    page.locator("#whatif-panel").get_by_text("What if").first.click()
+    page.locator("#whatif-minutes input").fill("60")
+    box = page.locator("#whatif-knob-max-num-seqs input")
+    box.fill("3")
+    box.press("Enter")
+    page.locator("#whatif-predict").click()
+    page.wait_for_function("() => document.querySelector('#whatif-result')?.textContent.includes('held-out error')",
+                           timeout=60_000)
+    result = page.locator("#whatif-result").text_content()
+    assert "max_num_seqs=3" in result and "TTFT p99" in result and "measured on the server" in result
+    page.wait_for_selector("#whatif-timeline .main-svg", timeout=30_000)
+    assert knobs(server) == before  # a prediction applies nothing
+    page.screenshot(path=str(ARTIFACTS / "ui-whatif.png"), full_page=True)
+    page.locator("#whatif-apply").click()
+    page.wait_for_function("() => document.querySelector('#knob-status')?.textContent.includes('what if: ')",
+                           timeout=15_000)
+    after = knobs(server)
+    assert after["knobs"]["max_num_seqs"] == 3 and after["version"] == before["version"] + 1
+    assert "Applied" in page.locator("#knob-status").text_content()
+    httpx.patch(f"{server.base_url}/admin/knobs", json={"max_num_seqs": before["knobs"]["max_num_seqs"]})
+
+
 def test_a_tiny_sweep_in_the_browser_charts_its_front_and_applies_the_recommendation(server, page):
     open_tab(page, "Load test")
     page.locator("#loadtest-max-output input").fill("4")

@@ -19,6 +19,7 @@ from appliance.bench.loadgen import iter_sse_data
 
 SOURCE_HEADER = "X-Appliance-Source"
 ADMIN_TIMEOUT_S = 10.0
+SIMULATE_TIMEOUT_S = 120.0  # a replay of a long window takes seconds on a busy machine
 # Chat replies stream for as long as generation takes; only connecting and each gap are bounded.
 CHAT_TIMEOUT = httpx.Timeout(300.0, connect=10.0)
 
@@ -132,6 +133,14 @@ class ApplianceAPI:
     def patch_autopilot(self, body: dict[str, Any]) -> dict[str, Any]:
         """PATCH /admin/autopilot ({"enabled", "spec"}); ApiError (with .errors) when rejected."""
         return self._request("PATCH", "/admin/autopilot", json=body)
+
+    def simulate(self, knobs: dict[str, Any], *, run_id: str | None = None,
+                 last_minutes: float | None = None) -> dict[str, Any]:
+        """POST /admin/simulate: replay a recorded run (or the last N minutes) at its knobs and at
+        `knobs`; ApiError when rejected (422 "no_matching_iterations": nothing to predict from)."""
+        body: dict[str, Any] = {"knobs": knobs}
+        body.update({"run_id": run_id} if run_id is not None else {"last_minutes": last_minutes})
+        return self._request("POST", "/admin/simulate", json=body, timeout=SIMULATE_TIMEOUT_S)
 
     def knob_history(self) -> list[dict[str, Any]]:
         return self._request("GET", "/admin/knobs/history").get("data", [])

@@ -30,6 +30,7 @@ from ui.live_tab import LiveTab
 from ui.loadtest_tab import LoadTests, LoadTestTab, generator_factory
 from ui.runs_tab import RunsTab
 from ui.tune_panel import Sweeps, TunePanel
+from ui.whatif_panel import WhatIfPanel
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +60,7 @@ def build_dashboard(
     knobs, live, chat = KnobsPanel(ctx), LiveTab(ctx, db), ChatTab(ctx)
     tune = TunePanel(ctx, Sweeps(tests, base_url, api_key))
     loadtest, runs_tab = LoadTestTab(ctx, tests, tune), RunsTab(ctx, db)
+    whatif = WhatIfPanel(ctx, knobs)
 
     # After every event Gradio summarises its last GRADIO_ANALYTICS_MAX_EVENTS (10,000) events with
     # pandas, for its /monitoring page: with the Live tab's refresh every second per viewer that
@@ -80,6 +82,7 @@ def build_dashboard(
                         runs_tab.build()
             with gr.Column(scale=1, min_width=300):
                 knobs.build()
+                whatif.build()
         live.wire(knobs.effective)
         # the Live charts refresh only while their tab is shown
         live_page.select(lambda: gr.Timer(active=True), None, live.timer, api_name="live_shown")
@@ -100,6 +103,7 @@ def build_dashboard(
 
         blocks.load(on_load, None, [*knobs.outputs, *runs_tab.refresh_outputs, live.window],
                     api_name="dashboard_load")
+        blocks.load(whatif.on_load, None, whatif.load_outputs, api_name="whatif_load")
     quiet_queue(blocks)
     return blocks
 

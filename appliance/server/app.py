@@ -20,7 +20,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..engine import AsyncEngine
-from . import admin, openai_api
+from . import admin, openai_api, simulate
 from .access_log import DashboardPollingMarker, quiet_dashboard_polling
 from .errors import APIError, JSONResponse, ServerErrorCode
 from .openapi import build_openapi
@@ -109,6 +109,7 @@ def build_app(
         Route("/admin/knobs/history", admin.knob_history, methods=["GET"]),
         Route("/admin/state", admin.engine_state, methods=["GET"]),
         Route("/admin/autopilot", admin.autopilot, methods=["GET", "PATCH"]),
+        Route("/admin/simulate", simulate.simulate, methods=["POST"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/openapi.json", openapi, methods=["GET"]),

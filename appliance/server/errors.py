@@ -39,6 +39,9 @@ class ServerErrorCode(str, Enum):
     METHOD_NOT_ALLOWED = "method_not_allowed"
     INVALID_KNOBS = "invalid_knobs"
     INVALID_AUTOPILOT = "invalid_autopilot"
+    RUN_NOT_FOUND = "run_not_found"
+    NO_MATCHING_ITERATIONS = "no_matching_iterations"  # nothing of the running configuration to simulate from
+    NO_TELEMETRY_STORE = "no_telemetry_store"
     QUEUE_FULL = "queue_full"
     DRAINING = "draining"
     ENGINE_UNAVAILABLE = "engine_unavailable"

@@ -130,7 +130,7 @@ def _simulate(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
         if not isinstance(s, str):
             check_fits(workload[0] if workload else run.requests, s.cache)
     model = _fit(db, run, args)
-    report: dict[str, Any] = {"run": _run_view(run), "model": _model_view(model), "slo": _slo_view(args.slo)}
+    report: dict[str, Any] = {"run": run_view(run), "model": model_view(model), "slo": _slo_view(args.slo)}
     status = 0
     if workload is not None:
         report["workload"] = workload[1]
@@ -151,7 +151,7 @@ def _simulate(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
         else:
             outcomes = whatif.what_if(run, model, settings, args.slo, workload[0], args.concurrency)
             report["recorded"] = None
-        report["outcomes"] = [_outcome_view(o) for o in outcomes]
+        report["outcomes"] = [outcome_view(o) for o in outcomes]
     report["elapsed_s"] = time.perf_counter() - started
     return report, status
 
@@ -188,14 +188,16 @@ def _fit(db: str, run: Any, args: argparse.Namespace) -> Any:
 # ---------------------------------------------------------------------------------------- views
 
 
-def _run_view(run: Any) -> dict[str, Any]:
+def run_view(run: Any) -> dict[str, Any]:
+    """A RecordedRun as JSON (the reports of `appliance simulate --json` and POST /admin/simulate)."""
     return {"run_id": run.run_id, "name": run.name, "replica_id": run.replica_id, "requests": len(run.requests),
             "arrival": run.arrival, "knobs": run.knobs.as_dict(), "num_blocks": run.cache.num_blocks,
             "block_size": run.cache.block_size, "max_model_len": run.cache.max_model_len,
             "engine": str(run.key), "knob_changes": run.knob_changes}
 
 
-def _model_view(model: Any) -> dict[str, Any]:
+def model_view(model: Any) -> dict[str, Any]:
+    """A StepTimeModel as JSON: coefficients, held-out error and the window it was fitted on."""
     return {"id": model.id, "method": model.method, "coefficients": model.coefficients, "gap_s": model.gap_s,
             "heldout_mape": model.heldout_mape, "heldout_mae_s": model.heldout_mae_s, "rows_used": model.rows_used,
             "rows_held_out": model.rows_held_out, "replica_id": model.replica_id, "run_id": model.run_id,
@@ -206,7 +208,8 @@ def _slo_view(slo: SLO | None) -> dict[str, float] | None:
     return None if slo is None else slo.as_dict()
 
 
-def _outcome_view(o: Any) -> dict[str, Any]:
+def outcome_view(o: Any) -> dict[str, Any]:
+    """An Outcome as JSON: its knobs, summary and timeline (or why it was skipped)."""
     out: dict[str, Any] = {"label": o.label, "skipped": o.skipped}
     if o.scenario is not None:
         out.update(changes=o.scenario.changes, knobs=o.scenario.knobs.as_dict(), num_blocks=o.scenario.cache.num_blocks)
