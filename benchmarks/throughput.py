@@ -196,20 +196,16 @@ def throughput_ceiling(loaded, requests) -> tuple[float, str]:
     cfg = model.config
     embed = model.get_input_embeddings().weight
     body = sum(p.numel() for p in model.parameters()) - embed.numel()  # the tied LM head counted apart
-    matrices = [m.weight for m in model.model.modules() if isinstance(m, torch.nn.Linear)] + [embed]
     dev = loaded.device
     with torch.inference_mode():
         a = torch.randn(512, cfg.hidden_size, dtype=loaded.dtype, device=dev)
         w = torch.randn(cfg.intermediate_size, cfg.hidden_size, dtype=loaded.dtype, device=dev)
-        inputs = [torch.randn(1, m.shape[1], dtype=loaded.dtype, device=dev) for m in matrices]
         gemm_s = best_of(lambda: torch.nn.functional.linear(a, w), 10, dev)
-        # every weight streamed once, as a batch-1 decode step must
-        weights_step = best_of(lambda: [torch.nn.functional.linear(x, m) for x, m in zip(inputs, matrices)], 5, dev)
         if dev.type == "cpu":  # the engine's packed oneDNN matmuls may beat the default BLAS call
-            packed_w, packed = PackedLinear(w), [PackedLinear(m) for m in matrices]
+            packed_w = PackedLinear(w)
             gemm_s = min(gemm_s, best_of(lambda: packed_w(a), 10, dev))
-            weights_step = min(weights_step, best_of(lambda: [lin(x) for x, lin in zip(inputs, packed)], 5, dev))
         rate = 2 * a.shape[0] * w.shape[0] * w.shape[1] / gemm_s
+    weights_step = weight_pass_seconds(loaded)
     prefill = 2 * body * sum(len(r["prompt_ids"]) for r in requests) / rate
     per_token = 2 * (body + embed.numel()) / rate
     lengths = [r["output_len"] for r in requests]
@@ -219,6 +215,21 @@ def throughput_ceiling(loaded, requests) -> tuple[float, str]:
            f"rate {rate / 1e9:.0f} GFLOP/s and a batch-1 pass over the weights in {1000 * weights_step:.0f} ms "
            f"= at most {ceiling:.0f} output tok/s in {str(loaded.dtype).split('.')[-1]} on this machine")
     return ceiling, how
+
+
+def weight_pass_seconds(loaded) -> float:
+    """Best time of one batch-1 matmul over every weight matrix (each streamed once from memory,
+    as a batch-1 decode step must), with the default call or, on the CPU, the engine's packed one."""
+    model, dev = loaded.model, loaded.device
+    matrices = [m.weight for m in model.model.modules() if isinstance(m, torch.nn.Linear)]
+    matrices.append(model.get_input_embeddings().weight)  # the (tied) LM head
+    with torch.inference_mode():
+        inputs = [torch.randn(1, m.shape[1], dtype=loaded.dtype, device=dev) for m in matrices]
+        best = best_of(lambda: [torch.nn.functional.linear(x, m) for x, m in zip(inputs, matrices)], 5, dev)
+        if dev.type == "cpu":
+            packed = [PackedLinear(m) for m in matrices]
+            best = min(best, best_of(lambda: [lin(x) for x, lin in zip(inputs, packed)], 5, dev))
+    return best
 
 
 def sync(device: torch.device) -> None:

@@ -60,6 +60,7 @@ def _reference(q, k_cache, v_cache, tables, ctx_lens, block_size, scale):
         (torch.float32, 4, 4, 32, 4, [3, 64, 65]),  # no grouping, small blocks
         (torch.float32, 8, 2, 128, 16, [1, 50, 129]),  # the other head size with its own copy
         (torch.float32, 8, 1, 80, 5, [7, 31, 32, 96]),  # one KV head for all, odd block size and dim
+        (torch.float32, 9, 3, 64, 16, [700, 5, 900]),  # enough context to run on every thread
         (torch.bfloat16, 9, 3, 64, 16, [2, 40, 300]),
     ],
 )
@@ -93,7 +94,7 @@ def test_kernel_declines_what_it_cannot_run(kernel):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 3, 40])  # below and above the kernels' threading threshold
+@pytest.mark.parametrize("rows", [1, 3, 40, 600])  # below and above the kernels' threading threshold (2^18 elements)
 def test_elementwise_kernels_match_torch(kernel, dtype, rows):
     gen = torch.Generator().manual_seed(rows)
     tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
@@ -101,7 +102,7 @@ def test_elementwise_kernels_match_torch(kernel, dtype, rows):
     weight = torch.rand(576, generator=gen).to(dtype)
     torch.testing.assert_close(kernel.rms_norm(x, weight, 1e-5), fast_llama._rms_norm(x, weight, 1e-5), **tol)
 
-    gate_up = torch.randn(rows, 2 * 96, generator=gen).to(dtype)
+    gate_up = torch.randn(rows, 2 * 1536, generator=gen).to(dtype)
     gate, up = gate_up.chunk(2, dim=-1)
     torch.testing.assert_close(kernel.silu_mul(gate_up), torch.nn.functional.silu(gate) * up, **tol)
 

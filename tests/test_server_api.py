@@ -61,11 +61,12 @@ def assert_error(response: httpx.Response, status: int, param: str | None = None
 
 
 def wait_idle(http: httpx.Client, timeout: float = 15.0) -> dict:
-    """Poll /admin/state until nothing runs or waits and every KV block is free."""
+    """Poll /admin/state until nothing runs or waits, every KV block is free and no response is
+    still being written (the event loop closes a stream after the engine let go of it)."""
     deadline = time.monotonic() + timeout
     while True:
         state = http.get("/admin/state").json()
-        if state["running"] == 0 and state["waiting"] == 0 and state["kv_blocks_used"] == 0:
+        if (state["running"], state["waiting"], state["kv_blocks_used"], state["in_flight"]) == (0, 0, 0, 0):
             return state
         assert time.monotonic() < deadline, f"engine not idle: {state}"
         time.sleep(0.05)

@@ -238,17 +238,20 @@ class AsyncEngine:
             cmd.done.set_result(change)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        """Hand one step's outputs to their streams: one event-loop wakeup per loop per step
+        (not one per token: each wakeup is a self-pipe write and a loop iteration that contend
+        with the engine thread for the GIL)."""
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
         with self._streams_lock:
-            targets = []
             for out in outputs:
                 entry = self._streams.get(out.request_id)
                 if entry is None:
                     continue
-                targets.append((entry, out))
+                batches.setdefault(entry[0], []).append((entry[1], out))
                 if out.finished:
                     del self._streams[out.request_id]
-        for (loop, stream), out in targets:
-            loop.call_soon_threadsafe(stream.put_nowait, out)
+        for loop, batch in batches.items():
+            loop.call_soon_threadsafe(_deliver, batch)
 
     def _dispatch_error(self, request_id: str, exc: BaseException) -> None:
         with self._streams_lock:
@@ -279,3 +282,8 @@ class AsyncEngine:
             "uptime_s": time.time() - self.started_at,
             "last_iteration": e.last_stats.as_dict() if e.last_stats else None,
         }
+
+
+def _deliver(batch: list[tuple[asyncio.Queue, Any]]) -> None:
+    for stream, item in batch:
+        stream.put_nowait(item)

@@ -19,7 +19,10 @@
 #define CHUNK 32 /* tokens scored per online-softmax step */
 #define MAX_GROUP 16
 #define MAX_DIM 256
-#define PAR_ROWS 8 /* fewer rows than this: one thread (the fork costs more than the work) */
+/* Calls touching fewer elements than this run on one thread: a decode step's norm (64 x 576)
+ * or a single row's attention over a short context takes microseconds, less than waking and
+ * joining the OpenMP team, whose cost soars when other processes hold the cores. */
+#define PAR_MIN_ELEMS (1 << 18)
 
 typedef uint16_t bf16_t;
 
@@ -107,7 +110,10 @@ static inline bf16_t f32_to_bf16(float f) { /* round to nearest even, as torch d
               const int64_t *ctx_lens, int64_t rows, int64_t num_heads, int64_t kv_heads,            \
               int64_t head_dim, int64_t block_size, int64_t num_slots, float scale, T *out,          \
               int64_t threads) {                                                                     \
-        _Pragma("omp parallel for schedule(dynamic, 1) num_threads(threads)")                         \
+        int64_t context = 0; /* cached tokens read, over all rows */                                 \
+        for (int64_t i = 0; i < rows; i++) context += ctx_lens[i];                                   \
+        const int64_t elems = 2 * context * kv_heads * head_dim;                                     \
+        _Pragma("omp parallel for schedule(dynamic, 1) if (elems >= PAR_MIN_ELEMS) num_threads(threads)") \
         for (int64_t item = 0; item < rows * kv_heads; item++) {                                     \
             if (head_dim == 64) /* a copy with D constant: accumulators in registers, loops unrolled */ \
                 NAME##_item(q, q_row_stride, q_head_stride, k_cache, v_cache, block_tables, table_width, \
@@ -125,7 +131,7 @@ static inline bf16_t f32_to_bf16(float f) { /* round to nearest even, as torch d
 #define DEFINE_RMS_NORM(NAME, T, LOAD, STORE, ROUND)                                                 \
     void NAME(const T *x, const T *weight, float eps, int64_t rows, int64_t dim, T *out,             \
               int64_t threads) {                                                                     \
-        _Pragma("omp parallel for if (rows >= PAR_ROWS) num_threads(threads)")                        \
+        _Pragma("omp parallel for if (rows * dim >= PAR_MIN_ELEMS) num_threads(threads)")            \
         for (int64_t r = 0; r < rows; r++) {                                                         \
             const T *xr = x + r * dim;                                                               \
             T *o = out + r * dim;                                                                    \
@@ -144,7 +150,7 @@ static inline bf16_t f32_to_bf16(float f) { /* round to nearest even, as torch d
     void NAME(T *x, int64_t rows, int64_t row_stride, int64_t heads, int64_t dim, const T *cos,     \
               const T *sin, int64_t threads) {                                                       \
         const int64_t half = dim / 2;                                                                \
-        _Pragma("omp parallel for if (rows >= PAR_ROWS) num_threads(threads)")                        \
+        _Pragma("omp parallel for if (rows * heads * dim >= PAR_MIN_ELEMS) num_threads(threads)")     \
         for (int64_t r = 0; r < rows; r++) {                                                         \
             const T *c = cos + r * dim, *s = sin + r * dim;                                          \
             for (int64_t h = 0; h < heads; h++) {                                                    \
@@ -162,7 +168,7 @@ static inline bf16_t f32_to_bf16(float f) { /* round to nearest even, as torch d
 /* out [rows, inter] = silu(gate_up[:, :inter]) * gate_up[:, inter:]. */
 #define DEFINE_SILU_MUL(NAME, T, LOAD, STORE, ROUND)                                                 \
     void NAME(const T *gate_up, int64_t rows, int64_t inter, T *out, int64_t threads) {              \
-        _Pragma("omp parallel for if (rows >= PAR_ROWS) num_threads(threads)")                        \
+        _Pragma("omp parallel for if (rows * inter >= PAR_MIN_ELEMS) num_threads(threads)")           \
         for (int64_t r = 0; r < rows; r++) {                                                         \
             const T *g = gate_up + r * 2 * inter, *u = g + inter;                                    \
             T *o = out + r * inter;                                                                  \
