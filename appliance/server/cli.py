@@ -50,6 +50,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="keep telemetry e.g. '7d', '1000000rows', '7d,1000000rows' (default: forever)")
     parser.add_argument("--served-model-name", default=None, help="model id the API reports and accepts")
     parser.add_argument("--no-dashboard", action="store_true", help="do not mount the dashboard at /ui")
+    from ..fleet.options import add_fleet_arguments  # no Ray import: only the fleet's runner imports Ray
+
+    add_fleet_arguments(parser)
 
 
 def _is_loopback(host: str) -> bool:
@@ -235,6 +238,10 @@ def serve_main(args: argparse.Namespace) -> int:
     from .app import build_app
     from .state import ServerConfig
 
+    if getattr(args, "replicas", None) is not None:
+        from ..fleet.cli import fleet_main
+
+        return fleet_main(args)
     opts = server_options(merged_settings(args), args)
     if opts["api_key"]:
         _redact_in_logs(opts["api_key"])
