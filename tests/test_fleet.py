@@ -210,3 +210,49 @@ def test_each_replica_writes_telemetry_under_its_id(fleet, replica_ids):
     finally:
         engine.dispose()
     assert seen >= set(replica_ids)
+
+
+def _wait_for_replicas(http: httpx.Client, count: int, without: str, timeout_s: float = 180.0) -> list[str]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        ids = http.get("/health").json().get("replicas", [])
+        if len(ids) == count and without not in ids:
+            return ids
+        assert time.monotonic() < deadline, f"replicas now {ids}"
+        time.sleep(1.0)
+
+
+def test_replica_killed_mid_stream(fleet, http, replica_ids):
+    """Its streams end with an OpenAI error (no hang), the other replica's streams finish, Ray Serve
+    starts a replacement, and the replacement takes the fleet's knobs."""
+    import ray
+
+    client = openai.OpenAI(base_url=f"{fleet.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    seqs = http.get("/admin/knobs").json()["knobs"]["max_num_seqs"]
+    assert http.patch("/admin/knobs", json={"max_num_seqs": seqs - 3}).status_code == 200
+    try:
+        streams = []
+        for prompt in PROMPTS[:4]:
+            raw = client.chat.completions.with_raw_response.create(
+                model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": prompt}], max_tokens=200,
+                temperature=0, stream=True, extra_body={"ignore_eos": True})
+            stream = raw.parse()
+            next(iter(stream))  # generating
+            streams.append((raw.headers[REPLICA_HEADER], stream))
+        victim = streams[0][0]
+        ray.kill(ray.get_actor(f"SERVE_REPLICA::appliance#engine#{victim.rsplit('/', 1)[1]}", namespace="serve"),
+                 no_restart=True)
+        for replica, stream in streams:
+            if replica == victim:
+                with pytest.raises(openai.APIError, match="lost"):
+                    list(stream)
+            else:
+                assert sum(1 for c in stream if c.choices and c.choices[0].delta.content) > 100
+        text, served_by = _chat(client, PROMPTS[0])  # the fleet keeps serving
+        assert text and served_by != victim
+        ids = _wait_for_replicas(http, 2, without=victim)
+        (new,) = set(ids) - set(replica_ids)
+        knobs = http.get("/admin/knobs", params={"replica": new}).json()["replicas"][new]["knobs"]
+        assert knobs["max_num_seqs"] == seqs - 3
+    finally:
+        assert http.patch("/admin/knobs", json={"max_num_seqs": seqs}).status_code == 200
