@@ -136,7 +136,20 @@ def test_streaming_goes_through_end_to_end(fleet, replica_ids):
                                                  temperature=0, stream=True))
     assert len(chunks) > 2
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole
-    assert chunks[-1].choices[-1].finish_reason in ("stop", "length") or chunks[-2].choices[-1].finish_reason
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] in (["length"],
+                                                                                                       ["stop"])
+
+
+def test_api_key_guards_the_ingress(fleet):
+    from appliance.fleet.ingress import Fleet, build_ingress
+    from appliance.server.state import ServerConfig
+
+    guarded = Fleet(fleet.handle, fleet.registry, ServerConfig(api_key="fleet-key"))
+    with run_app(build_ingress(guarded)) as url, httpx.Client(base_url=url, timeout=120) as http:
+        assert http.get("/admin/knobs").status_code == 401
+        assert http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1}).status_code == 401
+        assert http.get("/admin/knobs", headers={"Authorization": "Bearer fleet-key"}).status_code == 200
+        assert http.get("/health").status_code == 200
 
 
 def test_knob_patch_reaches_every_replica(http, replica_ids):
