@@ -24,7 +24,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from ..server.app import ApiKeyMiddleware, _api_error, _http_error, _internal_error, _mount_dashboard
-from ..server.errors import APIError, JSONResponse, error_object
+from ..server.errors import APIError, JSONResponse, ServerErrorCode, error_object
 from ..server.protocol import parse_json, read_body
 from ..server.state import AppState, ServerConfig
 from .bridge import BufferedResponse, ForwardedRequest, ResponseStart
@@ -53,10 +53,10 @@ class Fleet:
         if only is not None:
             if only not in ids:
                 raise APIError(404, f"no live replica {only!r}; live replicas: {', '.join(ids) or 'none'}",
-                               param="replica", code="replica_not_found")
+                               param="replica", code=ServerErrorCode.REPLICA_NOT_FOUND)
             ids = [only]
         if not ids:
-            raise APIError(503, "no replica is serving", code="engine_unavailable")
+            raise APIError(503, "no replica is serving", code=ServerErrorCode.ENGINE_UNAVAILABLE)
         answers = await asyncio.gather(*(self.registry.call.remote(r, request, FANOUT_TIMEOUT_S) for r in ids))
         return dict(zip(ids, answers))
 
@@ -82,7 +82,7 @@ def _response_headers(start: ResponseStart | BufferedResponse) -> dict[str, str]
 
 def _lost(exc: BaseException) -> APIError:
     return APIError(503, f"the replica serving this request was lost ({type(exc).__name__}); retry",
-                    type="server_error", code="replica_unavailable", headers={"Retry-After": "1"})
+                    type="server_error", code=ServerErrorCode.REPLICA_UNAVAILABLE, headers={"Retry-After": "1"})
 
 
 def _json(answer: BufferedResponse) -> dict[str, Any]:
@@ -123,7 +123,7 @@ def build_ingress(fleet: Fleet, on_shutdown: Callable[[], None] | None = None) -
         if failed:
             replica, answer = next(iter(failed.items()))
             if answer is None:
-                raise APIError(503, f"replica {replica} did not answer", code="replica_unavailable",
+                raise APIError(503, f"replica {replica} did not answer", code=ServerErrorCode.REPLICA_UNAVAILABLE,
                                extra={"replicas": per_replica})
             return JSONResponse({**_json(answer), "replicas": per_replica}, status_code=answer.status)
         if request.method == "PATCH" and only is None:
@@ -142,7 +142,7 @@ def build_ingress(fleet: Fleet, on_shutdown: Callable[[], None] | None = None) -
         answers = await fleet.call_each(_forwarded(request, b""), request.query_params.get("replica"))
         views = {r: _json(a) for r, a in answers.items() if a is not None and a.status == 200}
         if not views:
-            raise APIError(503, "no replica answered", code="replica_unavailable")
+            raise APIError(503, "no replica answered", code=ServerErrorCode.REPLICA_UNAVAILABLE)
         return JSONResponse({**next(iter(views.values())), "replicas": views})
 
     async def metrics(request: Request) -> Response:
