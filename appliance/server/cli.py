@@ -53,6 +53,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--autopilot", default=None, metavar="SPEC",
                         help="start the SLO autopilot: targets and knob bounds, e.g. "
                              "ttft_p99=1s,itl_p99=150ms,max_num_seqs=8..128")
+    from ..fleet.options import add_fleet_arguments  # no Ray import: only the fleet's runner imports Ray
+
+    add_fleet_arguments(parser)
 
 
 def _is_loopback(host: str) -> bool:
@@ -246,6 +249,10 @@ def serve_main(args: argparse.Namespace) -> int:
     from .app import build_app
     from .state import ServerConfig
 
+    if getattr(args, "replicas", None) is not None:
+        from ..fleet.cli import fleet_main
+
+        return fleet_main(args)
     opts = server_options(merged_settings(args), args)
     if opts["api_key"]:
         _redact_in_logs(opts["api_key"])

@@ -47,6 +47,8 @@ class ServerErrorCode(str, Enum):
     ENGINE_UNAVAILABLE = "engine_unavailable"
     ENGINE_ERROR = "engine_error"
     INTERNAL_ERROR = "internal_error"
+    REPLICA_NOT_FOUND = "replica_not_found"  # the fleet: ?replica=ID names no live replica
+    REPLICA_UNAVAILABLE = "replica_unavailable"  # the fleet: the replica serving a request was lost
 
 
 ErrorCode = RequestErrorCode | ServerErrorCode

@@ -1,0 +1,112 @@
+"""One fleet replica: the single-process server's app (engine, KV cache, engine thread, telemetry
+writer) inside a Ray Serve replica.
+
+`EngineReplica` is the deployment's class (the CLI wraps it with `serve.deployment`). Ray Serve
+routes OpenAI requests to `http` (a streamed response); requests addressed to this replica by id
+(knobs, metrics, state) arrive through the fleet registry. The replica's id is the fleet's
+`--replica-id` and Ray Serve's replica id, e.g. `myhost:8000/ab12cd34`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+from typing import Any, AsyncIterator
+
+import ray
+from ray import serve
+
+from ..engine import AsyncEngine, EngineConfig, LLMEngine
+from ..server.app import build_app
+from ..server.state import AppState, ServerConfig
+from .bridge import ForwardedRequest, ResponseStart, asgi_buffered, asgi_request
+from .registry import REGISTRY_NAME, REGISTRY_NAMESPACE
+
+log = logging.getLogger(__name__)
+
+REPLICA_HEADER = "x-appliance-replica"
+
+
+@dataclasses.dataclass
+class ReplicaSettings:
+    """What every replica is built from (picklable; sent to each replica by Ray Serve)."""
+
+    engine: EngineConfig
+    server: ServerConfig
+    max_waiting: int | None
+    db_url: str | None
+    telemetry_retention: str | None
+    torch_threads: int
+
+
+class EngineReplica:
+    async def __init__(self, settings: ReplicaSettings) -> None:
+        import torch
+
+        torch.set_num_threads(settings.torch_threads)  # replicas share the host's cores
+        context = serve.get_replica_context()
+        self.replica_id = f"{settings.server.replica_id}/{context.replica_id.unique_id}"[-64:]
+        self.registry = ray.get_actor(REGISTRY_NAME, namespace=REGISTRY_NAMESPACE)
+        loaded = await asyncio.to_thread(_load, settings.engine)
+        # Join after the slow load so no fleet knob change is missed in between; from here on
+        # changes queue in this replica's inbox until its first poll.
+        fleet_knobs = await self.registry.join.remote(self.replica_id)
+        engine_config = dataclasses.replace(settings.engine, knobs=settings.engine.knobs.with_changes(fleet_knobs))
+        engine = LLMEngine(engine_config, loaded=loaded)
+        telemetry = None
+        if settings.db_url:
+            from ..telemetry.writer import TelemetryWriter
+
+            telemetry = TelemetryWriter(settings.db_url, self.replica_id, retention=settings.telemetry_retention)
+        server_config = dataclasses.replace(settings.server, replica_id=self.replica_id, self_url=None, api_key=None)
+        self.app = build_app(AsyncEngine(engine, max_waiting=settings.max_waiting), server_config, telemetry)
+        self.state: AppState = self.app.state.appliance
+        self.state.start()
+        self._poller = asyncio.ensure_future(self._answer_calls())
+        log.info("replica %s serving (%d torch threads, fleet knobs %s)", self.replica_id,
+                 settings.torch_threads, fleet_knobs or "none")
+
+    async def http(self, request: ForwardedRequest) -> AsyncIterator[ResponseStart | bytes]:
+        """One request routed here by Ray Serve: the response head, then its body chunks."""
+        async for item in asgi_request(self.app, request):
+            if isinstance(item, ResponseStart):
+                item.headers.append((REPLICA_HEADER, self.replica_id))
+            yield item
+
+    def check_health(self) -> None:
+        """Ray Serve's health check: a replica whose engine stopped is replaced."""
+        if not self.state.ready:
+            raise RuntimeError(f"replica {self.replica_id}: engine not running ({self.state.status})")
+
+    async def _answer_calls(self) -> None:
+        while True:
+            try:
+                calls = await self.registry.next_calls.remote(self.replica_id)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the registry restarting must not end the loop
+                log.warning("replica %s: fleet registry unreachable (%s)", self.replica_id, exc)
+                await asyncio.sleep(1.0)
+                continue
+            for call_id, request in calls:
+                asyncio.ensure_future(self._answer(call_id, request))
+
+    async def _answer(self, call_id: int, request: ForwardedRequest) -> None:
+        response = await asgi_buffered(self.app, request)
+        await self.registry.reply.remote(call_id, response)
+
+    def __del__(self) -> None:
+        """Ray Serve's graceful stop: leave the fleet, stop the engine and flush telemetry."""
+        with contextlib.suppress(Exception):
+            self._poller.cancel()
+            self.registry.leave.remote(self.replica_id)
+        with contextlib.suppress(Exception):
+            self.state.close()
+
+
+def _load(config: EngineConfig) -> Any:
+    from ..model_loader import load_model
+
+    return load_model(config.model, dtype=config.dtype, device=config.device)

@@ -1,0 +1,276 @@
+"""The fleet (`appliance serve --replicas N`): two engine replicas on a local Ray Serve cluster
+(127.0.0.1, CPU, the default model) behind the ingress, driven with the `openai` client.
+
+One Ray cluster for this module: started by the `fleet` fixture, stopped at its end."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from appliance.fleet.options import fleet_spec
+
+pytest.importorskip("ray.serve", reason="the fleet needs the `fleet` extra (ray[serve])")
+
+from conftest import TEST_DEVICE, TEST_MODEL, run_app  # noqa: E402
+
+REPLICA_HEADER = "x-appliance-replica"
+PROMPTS = [f"Name {n} things that are {colour}." for n in (2, 3) for colour in ("red", "blue", "green", "cold")]
+
+
+def _args(**flags) -> argparse.Namespace:
+    base = dict(replicas=2, ray_address=None, min_replicas=None, max_replicas=None, target_ongoing_requests=None,
+                replica_num_cpus=None, ray_dashboard=False)
+    return argparse.Namespace(**{**base, **flags})
+
+
+# -- without Ray ------------------------------------------------------------------------------------
+def test_single_process_serve_does_not_import_ray():
+    code = ("import sys, appliance.server.cli, appliance.cli as c; c.build_parser().parse_args(['serve']); "
+            "print('ray' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_sqlite_refused_when_replicas_may_be_on_other_hosts():
+    with pytest.raises(ValueError, match="PostgreSQL URL"):
+        fleet_spec(_args(ray_address="10.0.0.5:6379"), {"db": "sqlite:///appliance.db", "host": "127.0.0.1"})
+    spec = fleet_spec(_args(ray_address="10.0.0.5:6379"), {"db": "postgresql+psycopg://u@h/d", "host": "127.0.0.1"})
+    assert spec.ray_address == "10.0.0.5:6379"
+    assert fleet_spec(_args(), {"db": "sqlite:///appliance.db", "host": "127.0.0.1"}).replicas == 2
+
+
+@pytest.mark.parametrize("flags, named", [
+    (dict(replicas=0), "--replicas"),
+    (dict(replicas=3, max_replicas=2), "--max-replicas"),
+    (dict(replicas=1, min_replicas=2), "--min-replicas"),
+    (dict(target_ongoing_requests=0.0), "--target-ongoing-requests"),
+    (dict(replica_num_cpus=-1.0), "--replica-num-cpus"),
+])
+def test_bad_fleet_flags_are_named(flags, named):
+    with pytest.raises(ValueError, match=named):
+        fleet_spec(_args(**flags), {"db": None, "host": "127.0.0.1"})
+
+
+def test_autopilot_with_replicas_is_refused_by_name():
+    with pytest.raises(ValueError, match="--autopilot"):
+        fleet_spec(_args(), {"db": None, "host": "127.0.0.1", "autopilot": "ttft_p99=1s"})
+
+
+def test_autoscaling_flags_map_to_ray_serve_names():
+    spec = fleet_spec(_args(replicas=2, min_replicas=1, max_replicas=3, target_ongoing_requests=4.0,
+                            replica_num_cpus=0.5), {"db": None, "host": "127.0.0.1"})
+    options = spec.deployment_options()
+    assert options["autoscaling_config"] == {"initial_replicas": 2, "min_replicas": 1, "max_replicas": 3,
+                                             "target_ongoing_requests": 4.0}
+    assert options["ray_actor_options"] == {"num_cpus": 0.5} and "num_replicas" not in options
+    assert spec.torch_threads == 1
+
+
+# -- a fleet of two replicas ----------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    from appliance.engine import EngineConfig
+    from appliance.fleet.cluster import start_fleet, stop_fleet
+    from appliance.fleet.ingress import build_ingress
+    from appliance.fleet.replica import ReplicaSettings
+    from appliance.server.state import ServerConfig
+    from appliance.telemetry import store
+
+    db_url = f"sqlite:///{tmp_path_factory.mktemp('fleet') / 'telemetry.db'}"
+    store.upgrade(db_url)
+    spec = fleet_spec(_args(replicas=2, replica_num_cpus=0.5), {"db": db_url, "host": "127.0.0.1"})
+    settings = ReplicaSettings(
+        engine=EngineConfig(model=TEST_MODEL, dtype="float32", device=TEST_DEVICE, num_blocks=256),
+        server=ServerConfig(replica_id="fleet-test", db_url=db_url), max_waiting=None, db_url=db_url,
+        telemetry_retention=None, torch_threads=spec.torch_threads)
+    fleet = start_fleet(spec, settings)
+    try:
+        with run_app(build_ingress(fleet)) as url:
+            fleet.base_url, fleet.db_url = url, db_url
+            yield fleet
+    finally:
+        stop_fleet(spec)
+
+
+@pytest.fixture(scope="module")
+def http(fleet):
+    with httpx.Client(base_url=fleet.base_url, timeout=120) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def replica_ids(http) -> list[str]:
+    ids = http.get("/health").json()["replicas"]
+    assert len(ids) == 2, ids
+    return ids
+
+
+def _chat(client: openai.OpenAI, prompt: str) -> tuple[str, str]:
+    raw = client.chat.completions.with_raw_response.create(
+        model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": prompt}], max_tokens=12, temperature=0)
+    return raw.parse().choices[0].message.content, raw.headers.get(REPLICA_HEADER, "")
+
+
+def test_concurrent_requests_match_one_engine_and_use_both_replicas(fleet, live_server, replica_ids):
+    fleet_client = openai.OpenAI(base_url=f"{fleet.base_url}/v1", api_key="unused", max_retries=0, timeout=300)
+    one_client = openai.OpenAI(base_url=f"{live_server.base_url}/v1", api_key="unused", max_retries=0, timeout=300)
+    requests = PROMPTS * 2  # 16 concurrent
+    with ThreadPoolExecutor(len(requests)) as pool:
+        answers = list(pool.map(lambda p: _chat(fleet_client, p), requests))
+    expected = {p: _chat(one_client, p)[0] for p in PROMPTS}
+    assert [text for text, _ in answers] == [expected[p] for p in requests]
+    assert {replica for _, replica in answers} == set(replica_ids)
+
+
+def test_streaming_goes_through_end_to_end(fleet, replica_ids):
+    client = openai.OpenAI(base_url=f"{fleet.base_url}/v1", api_key="unused", max_retries=0, timeout=300)
+    messages = [{"role": "user", "content": PROMPTS[0]}]
+    whole = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages, max_tokens=12,
+                                           temperature=0).choices[0].message.content
+    chunks = list(client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages, max_tokens=12,
+                                                 temperature=0, stream=True))
+    assert len(chunks) > 2
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] in (["length"],
+                                                                                                       ["stop"])
+
+
+def test_api_key_guards_the_ingress(fleet):
+    from appliance.fleet.ingress import Fleet, build_ingress
+    from appliance.server.state import ServerConfig
+
+    guarded = Fleet(fleet.handle, fleet.registry, ServerConfig(api_key="fleet-key"))
+    with run_app(build_ingress(guarded)) as url, httpx.Client(base_url=url, timeout=120) as http:
+        assert http.get("/admin/knobs").status_code == 401
+        assert http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1}).status_code == 401
+        assert http.get("/admin/knobs", headers={"Authorization": "Bearer fleet-key"}).status_code == 200
+        assert http.get("/health").status_code == 200
+
+
+def test_knob_patch_reaches_every_replica(http, replica_ids):
+    before = http.get("/admin/knobs").json()
+    assert set(before["replicas"]) == set(replica_ids)
+    seqs = before["knobs"]["max_num_seqs"]
+    try:
+        response = http.patch("/admin/knobs", json={"max_num_seqs": seqs - 1})
+        assert response.status_code == 200, response.text
+        body = response.json()
+        assert set(body["replicas"]) == set(replica_ids)
+        for replica in replica_ids:
+            assert body["replicas"][replica]["version"] == before["replicas"][replica]["version"] + 1
+            assert body["replicas"][replica]["knobs"]["max_num_seqs"] == seqs - 1
+        assert body["fleet_knobs"]["max_num_seqs"] == seqs - 1
+        after = http.get("/admin/knobs").json()
+        assert {r: v["knobs"]["max_num_seqs"] for r, v in after["replicas"].items()} == dict.fromkeys(replica_ids,
+                                                                                                       seqs - 1)
+        history = http.get("/admin/knobs/history").json()["data"]
+        changed = {row["replica"] for row in history if row["new"].get("max_num_seqs") == seqs - 1}
+        assert changed == set(replica_ids)
+    finally:
+        assert http.patch("/admin/knobs", json={"max_num_seqs": seqs}).status_code == 200
+
+
+def test_knob_patch_to_one_replica(http, replica_ids):
+    target, other = replica_ids
+    before = http.get("/admin/knobs").json()["replicas"]
+    seqs = before[target]["knobs"]["max_num_seqs"]
+    try:
+        response = http.patch("/admin/knobs", params={"replica": target}, json={"max_num_seqs": seqs - 2})
+        assert response.status_code == 200, response.text
+        assert set(response.json()["replicas"]) == {target}
+        after = http.get("/admin/knobs").json()["replicas"]
+        assert after[target]["knobs"]["max_num_seqs"] == seqs - 2
+        assert after[other] == before[other]
+        assert http.patch("/admin/knobs", params={"replica": "nope"}, json={"max_num_seqs": 3}).status_code == 404
+    finally:
+        assert http.patch("/admin/knobs", params={"replica": target}, json={"max_num_seqs": seqs}).status_code == 200
+
+
+def test_rejected_knob_changes_no_replica(http, replica_ids):
+    before = http.get("/admin/knobs").json()["replicas"]
+    response = http.patch("/admin/knobs", json={"max_num_seqs": -1})
+    assert response.status_code == 422, response.text
+    assert response.json()["error"]["code"] == "invalid_knobs"
+    assert http.get("/admin/knobs").json()["replicas"] == before
+
+
+def test_metrics_carry_a_replica_label(http, replica_ids):
+    http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 2})
+    families = {f.name: f for f in text_string_to_metric_families(http.get("/metrics").text)}
+    assert families["appliance_fleet_replicas"].samples[0].value == 2
+    labelled = {s.labels.get("replica") for f in families.values() for s in f.samples
+                if f.name != "appliance_fleet_replicas"}
+    assert labelled == set(replica_ids)
+
+
+def test_each_replica_writes_telemetry_under_its_id(fleet, replica_ids):
+    from sqlalchemy import create_engine, text
+
+    engine = create_engine(fleet.db_url)
+    deadline = time.monotonic() + 30
+    try:
+        while True:  # the writers flush on their own interval
+            with engine.connect() as conn:
+                seen = {r for (r,) in conn.execute(text("SELECT DISTINCT replica_id FROM iterations"))}
+            if seen >= set(replica_ids) or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+    finally:
+        engine.dispose()
+    assert seen >= set(replica_ids)
+
+
+def _wait_for_replicas(http: httpx.Client, count: int, without: str, timeout_s: float = 180.0) -> list[str]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        ids = http.get("/health").json().get("replicas", [])
+        if len(ids) == count and without not in ids:
+            return ids
+        assert time.monotonic() < deadline, f"replicas now {ids}"
+        time.sleep(1.0)
+
+
+def test_replica_killed_mid_stream(fleet, http, replica_ids):
+    """Its streams end with an OpenAI error (no hang), the other replica's streams finish, Ray Serve
+    starts a replacement, and the replacement takes the fleet's knobs."""
+    import ray
+
+    client = openai.OpenAI(base_url=f"{fleet.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    seqs = http.get("/admin/knobs").json()["knobs"]["max_num_seqs"]
+    assert http.patch("/admin/knobs", json={"max_num_seqs": seqs - 3}).status_code == 200
+    try:
+        streams = []
+        for prompt in PROMPTS[:4]:
+            raw = client.chat.completions.with_raw_response.create(
+                model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": prompt}], max_tokens=200,
+                temperature=0, stream=True, extra_body={"ignore_eos": True})
+            stream = raw.parse()
+            next(iter(stream))  # generating
+            streams.append((raw.headers[REPLICA_HEADER], stream))
+        victim = streams[0][0]
+        ray.kill(ray.get_actor(f"SERVE_REPLICA::appliance#engine#{victim.rsplit('/', 1)[1]}", namespace="serve"),
+                 no_restart=True)
+        for replica, stream in streams:
+            if replica == victim:
+                with pytest.raises(openai.APIError, match="lost"):
+                    list(stream)
+            else:
+                assert sum(1 for c in stream if c.choices and c.choices[0].delta.content) > 100
+        text, served_by = _chat(client, PROMPTS[0])  # the fleet keeps serving
+        assert text and served_by != victim
+        ids = _wait_for_replicas(http, 2, without=victim)
+        (new,) = set(ids) - set(replica_ids)
+        knobs = http.get("/admin/knobs", params={"replica": new}).json()["replicas"][new]["knobs"]
+        assert knobs["max_num_seqs"] == seqs - 3
+    finally:
+        assert http.patch("/admin/knobs", json={"max_num_seqs": seqs}).status_code == 200
