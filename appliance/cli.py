@@ -25,6 +25,8 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-partial-prefills", type=int, default=None)
     parser.add_argument("--max-long-partial-prefills", type=int, default=None)
     parser.add_argument("--scheduling-policy", default=None, choices=POLICIES)
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                        help="reuse the KV blocks of cached prompt prefixes (default on; a live knob)")
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--cpu-kernels", action=argparse.BooleanOptionalAction, default=None,
                         help="C kernels on the CPU (decode attention over the paged cache, the layers' elementwise "

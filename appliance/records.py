@@ -80,6 +80,12 @@ class IterationStats:
     finished: int = metric("requests that ended during this iteration", unit="requests", rollup=True)
     knob_version: int = metric("version of the knob set in force", rollup=True)
     policy: str = metric("scheduling policy in force", max_length=32)
+    kv_blocks_cached_free: int = metric("free KV blocks that still hold a cached prefix (part of kv_blocks_free)",
+                                        unit="blocks", label="cached free", rollup=True)
+    prefix_cache_queries: int = metric("tokens of the sequences admitted this iteration, looked up in the prefix cache",
+                                       unit="tokens", label="looked up", rollup=True)
+    prefix_cache_hits: int = metric("of those, tokens served from the prefix cache instead of computed",
+                                    unit="tokens", label="from cache", rollup=True)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -100,6 +106,7 @@ class RequestStats:
     output_tokens: int = metric("tokens generated", unit="tokens")
     finish_reason: FinishReason = metric("why it ended", max_length=16)
     preemptions: int = metric("times it was preempted")
+    cached_tokens: int = metric("prompt tokens served from the prefix cache at its first admission", unit="tokens")
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

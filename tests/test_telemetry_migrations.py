@@ -43,8 +43,8 @@ def _tables_and_indexes(url: str) -> tuple[set[str], set[str]]:
 
 
 def test_revisions_are_linear_with_a_head() -> None:
-    assert store.revisions() == ["0002", "0001"]
-    assert store.head() == "0002"
+    assert store.revisions() == ["0005_prefix_cache", "0002", "0001"]
+    assert store.head() == "0005_prefix_cache"
     assert store.MIGRATIONS_DIR.name == "migrations" and (store.MIGRATIONS_DIR / "env.py").exists()
 
 
@@ -66,7 +66,7 @@ def test_downgrade_one_step_and_upgrade_again_keeps_data(url: str, tmp_path: Pat
             "INSERT INTO runs (id, replica_id, name, workload, arrival, knobs, started_at, status)"
             " VALUES ('r1', 'a', 'n', 'w', '{}', '{}', 1.0, 'running')"
         )
-    store.downgrade(url, "-1")
+    store.downgrade(url, "0001")
     assert store.current(url) == "0001"
     tables, indexes = _tables_and_indexes(url)
     assert tables == TABLES and not {i for i in indexes if i.startswith("ix_")}
@@ -77,6 +77,23 @@ def test_downgrade_one_step_and_upgrade_again_keeps_data(url: str, tmp_path: Pat
     store.downgrade(url, "base")
     assert store.current(url) is None
     assert _tables_and_indexes(url)[0] == set()
+
+
+def test_prefix_cache_columns_read_zero_for_older_rows(url: str, tmp_path: Path) -> None:
+    store.upgrade(url, "0002")
+    with sqlite3.connect(tmp_path / "appliance.db") as raw:
+        raw.execute(
+            "INSERT INTO requests (replica_id, request_id, source, arrival, finished, prompt_tokens,"
+            " output_tokens, finish_reason, preemptions) VALUES ('a', 'x', 'api', 1.0, 2.0, 5, 3, 'stop', 0)"
+        )
+    store.upgrade(url)
+    with sqlite3.connect(tmp_path / "appliance.db") as raw:
+        assert raw.execute("SELECT prompt_tokens, cached_tokens FROM requests").fetchall() == [(5, 0)]
+    store.downgrade(url, "0002")
+    with sqlite3.connect(tmp_path / "appliance.db") as raw:
+        columns = {row[1] for row in raw.execute("PRAGMA table_info(requests)")}
+        assert "cached_tokens" not in columns
+        assert raw.execute("SELECT prompt_tokens FROM requests").fetchall() == [(5,)]
 
 
 def _diff_from_head(url: str, metadata: MetaData) -> list:

@@ -37,6 +37,9 @@ def _iteration(i: int, t: float, running: int, replica_waiting: int = 0) -> Iter
         finished=0,
         knob_version=1,
         policy="continuous",
+        kv_blocks_cached_free=0,
+        prefix_cache_queries=0,
+        prefix_cache_hits=0,
     )
 
 
@@ -178,7 +181,7 @@ def test_latest_and_counts(url: str) -> None:
     t0 = time.time() - 100
     _write(url, [_iteration(i, t0 + i, i) for i in range(10)], "a")
     _write(url, [_iteration(i, t0 + i + 0.5, 100 + i) for i in range(3)], "b")
-    _write(url, [RequestStats("x", "api", None, t0, t0, t0, t0 + 1, 1, 1, "stop", 0)], "a")
+    _write(url, [RequestStats("x", "api", None, t0, t0, t0, t0 + 1, 1, 1, "stop", 0, 0)], "a")
     latest = queries.latest(url)
     assert latest["iteration"]["replica_id"] == "a" and latest["iteration"]["iteration"] == 9
     assert latest["iterations"] == 13 and latest["requests"] == 1 and latest["rows_dropped"] == 0
@@ -201,6 +204,7 @@ def _request(
         10,
         out,
         reason,
+        0,
         0,
     )
 

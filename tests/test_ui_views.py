@@ -135,7 +135,7 @@ def _iteration(i: int, t: float, running: int, policy: str = "continuous", versi
         prefill_tokens=30, decode_seqs=running, decode_tokens=running, scheduled_tokens=30 + running,
         padding_tokens=0, token_budget=512, max_num_seqs=16, kv_blocks_used=64, kv_blocks_free=448,
         kv_blocks_total=512, preemptions=1 if i == 3 else 0, finished=0, knob_version=version,
-        policy=policy,
+        policy=policy, kv_blocks_cached_free=0, prefix_cache_queries=0, prefix_cache_hits=0,
     )
 
 
@@ -152,7 +152,7 @@ def filled_store(tmp_path):
     for i in range(6):
         arrival = now - 15 + i
         writer.on_request(RequestStats(f"req-{i}", "loadtest", "run-a", arrival, arrival + 0.01,
-                                       arrival + 0.1 * (i + 1), arrival + 2.0, 20, 11, "length", 0))
+                                       arrival + 0.1 * (i + 1), arrival + 2.0, 20, 11, "length", 0, 0))
     writer.on_knob_change(KnobChange(1, 20, now - 10, {"max_num_seqs": 64}, {"max_num_seqs": 16}, "dashboard"))
     assert writer.flush()
     writer.close()

@@ -31,6 +31,7 @@ class Knobs:
     max_num_partial_prefills: int = 1
     max_long_partial_prefills: int = 1
     scheduling_policy: str = "continuous"
+    enable_prefix_caching: bool = True  # reuse cached KV blocks of equal prompt prefixes
 
     def __post_init__(self) -> None:
         errors = validate_knobs(asdict(self))
@@ -78,6 +79,9 @@ def validate_knobs(values: Mapping[str, Any], only: set[str] | None = None) -> d
     policy = values.get("scheduling_policy")
     if policy not in POLICIES:
         errors["scheduling_policy"] = f"must be one of {', '.join(POLICIES)}, got {policy!r}"
+    caching = values.get("enable_prefix_caching")
+    if not isinstance(caching, bool):
+        errors["enable_prefix_caching"] = f"must be true or false, got {caching!r}"
     if errors:
         return errors
 
