@@ -87,11 +87,12 @@ def test_chat_stream_events_fill_the_reply_stats():
     stats = ChatStats(started=10.0)
     assert _take_chat_event('{"choices":[{"delta":{"content":"Hi"},"finish_reason":null}]}', stats) == "Hi"
     assert _take_chat_event('{"choices":[{"delta":{},"finish_reason":"stop"}]}', stats) == ""
-    assert _take_chat_event('{"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":9}}', stats) == ""
+    assert _take_chat_event('{"choices":[],"usage":{"prompt_tokens":50,"completion_tokens":9,'
+                            '"prompt_tokens_details":{"cached_tokens":32}}}', stats) == ""
     stats.first_token, stats.ended = 10.2, 11.0
     assert stats.finish_reason == "stop" and stats.tokens == 9
     assert stats.ttft_s == pytest.approx(0.2) and stats.tokens_per_s == pytest.approx(8 / 0.8)
-    assert stats_row(3, stats) == [3, 200.0, 10.0, 9, "stop"]
+    assert stats_row(3, stats) == [3, 200.0, 10.0, 9, "32 / 50", "stop"]
     with pytest.raises(ApiError, match="boom"):
         _take_chat_event('{"error":{"message":"boom"}}', stats)
 
@@ -135,7 +136,8 @@ def _iteration(i: int, t: float, running: int, policy: str = "continuous", versi
         prefill_tokens=30, decode_seqs=running, decode_tokens=running, scheduled_tokens=30 + running,
         padding_tokens=0, token_budget=512, max_num_seqs=16, kv_blocks_used=64, kv_blocks_free=448,
         kv_blocks_total=512, preemptions=1 if i == 3 else 0, finished=0, knob_version=version,
-        policy=policy, kv_blocks_cached_free=0, prefix_cache_queries=0, prefix_cache_hits=0,
+        policy=policy, kv_blocks_cached_free=32, prefix_cache_queries=50 if i % 2 else 0,
+        prefix_cache_hits=20 if i % 2 else 0,
     )
 
 
@@ -183,6 +185,12 @@ def test_live_figures_show_the_stored_series_and_the_knob_change(filled_store):
     assert figs[0].data[2].name == "max_num_seqs" and set(figs[0].data[2].y) == {16}
     kv_pct = figs[2].data[0].y
     assert all(v == pytest.approx(64 / 512 * 100) for v in kv_pct)
+    assert [t.name for t in figs[2].data[:3]] == ["used % (mean)", "cached free % (mean)", "free % (mean)"]
+    assert all(v == pytest.approx(32 / 512 * 100) for v in figs[2].data[1].y if v is not None)
+    assert all(v == pytest.approx(416 / 512 * 100) for v in figs[2].data[2].y if v is not None)
+    assert titles[-1].startswith("Prefix cache hit rate")
+    hit_rate = [v for v in figs[-1].data[0].y if v is not None]
+    assert hit_rate and all(v == pytest.approx(40) for v in hit_rate)  # 20 of 50 tokens, every other iteration
     ttft = figs[6].data
     assert [t.name for t in ttft] == ["p50", "p90", "p99"]
     # latency buckets (2 s wide over 1 min) sit on a fixed grid: the fastest request (100 ms) is

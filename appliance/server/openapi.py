@@ -87,7 +87,9 @@ def build_openapi(model: str, max_model_len: int, vocab_size: int, auth: bool) -
     ]}
     usage = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"], "properties": {
         "prompt_tokens": {"type": "integer"}, "completion_tokens": {"type": "integer"},
-        "total_tokens": {"type": "integer"}}}
+        "total_tokens": {"type": "integer"},
+        "prompt_tokens_details": {"type": "object", "required": ["cached_tokens"], "properties": {
+            "cached_tokens": {"type": "integer", "description": "prompt tokens served from the prefix cache"}}}}}
     finish = _nullable({"type": "string", "enum": [r.value for r in FinishReason]})
     knob_props = {
         "max_num_seqs": {"type": "integer", "minimum": 1, "maximum": MAX_NUM_SEQS_LIMIT},
@@ -96,6 +98,7 @@ def build_openapi(model: str, max_model_len: int, vocab_size: int, auth: bool) -
         "max_num_partial_prefills": {"type": "integer", "minimum": 1, "maximum": MAX_NUM_SEQS_LIMIT},
         "max_long_partial_prefills": {"type": "integer", "minimum": 1, "maximum": MAX_NUM_SEQS_LIMIT},
         "scheduling_policy": {"type": "string", "enum": list(POLICIES)},
+        "enable_prefix_caching": {"type": "boolean"},
     }
     schemas = {
         "ErrorResponse": {"type": "object", "required": ["error"], "properties": {"error": {
@@ -148,6 +151,7 @@ def build_openapi(model: str, max_model_len: int, vocab_size: int, auth: bool) -
             "replica_id", "telemetry_rows_dropped"], "properties": {
             "status": {"type": "string"}, "running": {"type": "integer"}, "waiting": {"type": "integer"},
             "kv_blocks_used": {"type": "integer"}, "kv_blocks_free": {"type": "integer"},
+            "kv_blocks_cached_free": {"type": "integer", "description": "free blocks still holding a cached prefix"},
             "kv_blocks_total": {"type": "integer"}, "iteration": {"type": "integer"},
             "knob_version": {"type": "integer"}, "uptime_s": {"type": "number"}, "model": {"type": "string"},
             "device": {"type": "string"}, "replica_id": {"type": "string"},
