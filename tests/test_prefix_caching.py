@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from appliance.engine import SamplingParams
 
-GREEDY = SamplingParams(max_tokens=12, min_tokens=12, temperature=0)
+GREEDY = SamplingParams(max_tokens=8, min_tokens=8, temperature=0)
 SYSTEM = ("You are a careful assistant for a hardware shop. Answer briefly and politely, name the "
           "aisle where each item is found, and never invent prices. The shop sells hammers, nails, "
           "screws, drills, paint, brushes, ladders, garden hoses, light bulbs and extension cords.")
@@ -84,7 +84,8 @@ def test_prompt_that_is_an_exact_multiple_of_the_block_size(make_engine):
 def test_chunked_prefill_continues_after_a_hit(make_engine, record_iterations):
     def run(engine):
         stats = record_iterations(engine)
-        base = engine.encode_prompt(SYSTEM + " " + SYSTEM)
+        base = engine.encode_prompt(" ".join([SYSTEM] * 3))
+        assert len(base) >= 150
         first = engine.generate([base[:150]], GREEDY)[0]
         # shares 144 tokens (9 blocks) with the first, then 60 more: several 16-token chunks
         second = engine.generate([base[:144] + engine.encode_prompt(" Where are the ladders, please? " * 4)[:60]],
