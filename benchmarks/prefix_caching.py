@@ -130,6 +130,7 @@ def main() -> None:
     args = p.parse_args()
 
     loaded = load_model(None, args.dtype, "cpu")
+    engines = {on: LLMEngine(EngineConfig(knobs=Knobs(enable_prefix_caching=on)), loaded=loaded) for on in (True, False)}
     workloads = {
         "multi-turn": lambda e: multi_turn(e, args.conversations, args.max_turns, args.max_turn_tokens,
                                            args.turn_output_len, args.seed),
@@ -143,8 +144,11 @@ def main() -> None:
             continue
         order = (True, False) if k % 2 == 0 else (False, True)
         results = {}
-        for on in order:  # a fresh engine (empty cache) per workload and setting
-            results[on] = work(LLMEngine(EngineConfig(knobs=Knobs(enable_prefix_caching=on)), loaded=loaded))
+        for on in order:
+            bm = engines[on].block_manager
+            bm.set_caching(False)  # forget what the last workload cached
+            bm.set_caching(on)
+            results[on] = work(engines[on])
         on, off = results[True], results[False]
         ttft_ratio, tput_ratio = on.ttft_p50 / off.ttft_p50, on.throughput / off.throughput
         ttft_target, tput_target = TARGETS[name]
