@@ -88,8 +88,9 @@ def test_chunked_prefill_continues_after_a_hit(make_engine, record_iterations):
         assert len(base) >= 150
         first = engine.generate([base[:150]], GREEDY)[0]
         # shares 144 tokens (9 blocks) with the first, then 60 more: several 16-token chunks
-        second = engine.generate([base[:144] + engine.encode_prompt(" Where are the ladders, please? " * 4)[:60]],
-                                 GREEDY)[0]
+        question = engine.encode_prompt(" Where are the ladders, please?" * 12)[:60]
+        assert len(question) == 60
+        second = engine.generate([base[:144] + question], GREEDY)[0]
         _check_idle(engine)
         chunks = [s.prefill_tokens for s in stats[-20:] if s.prefill_tokens]
         return [first.token_ids, second.token_ids], second.cached_tokens, chunks
