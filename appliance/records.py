@@ -118,6 +118,12 @@ class IterationStats:
     decode_context_tokens: int | None = metric(
         "tokens the decode rows attend to (each row's context and its new token); None on rows stored "
         "before migration 0003", unit="tokens")
+    kv_blocks_cached_free: int = metric("free KV blocks that still hold a cached prefix (part of kv_blocks_free)",
+                                        unit="blocks", label="cached free", rollup=True)
+    prefix_cache_queries: int = metric("tokens of the sequences admitted this iteration, looked up in the prefix cache",
+                                       unit="tokens", label="looked up", rollup=True)
+    prefix_cache_hits: int = metric("of those, tokens served from the prefix cache instead of computed",
+                                    unit="tokens", label="from cache", rollup=True)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -138,6 +144,7 @@ class RequestStats:
     output_tokens: int = metric("tokens generated", unit="tokens")
     finish_reason: FinishReason = metric("why it ended", max_length=16)
     preemptions: int = metric("times it was preempted")
+    cached_tokens: int = metric("prompt tokens served from the prefix cache at its first admission", unit="tokens")
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

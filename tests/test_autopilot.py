@@ -21,7 +21,7 @@ def iteration(t: float, duration: float = 0.1, kv: float = 0.3, prefill: int = 0
 
 
 def request(t: float, ttft: float, itl: float = 0.02, out: int = 11) -> RequestStats:
-    return RequestStats("r", "api", None, t, t, t + ttft, t + ttft + itl * (out - 1), 8, out, "length", 0)
+    return RequestStats("r", "api", None, t, t, t + ttft, t + ttft + itl * (out - 1), 8, out, "length", 0, 0)
 
 
 class Engine:

@@ -14,7 +14,9 @@ from appliance.bench.workloads import (
     BenchRequest,
     jsonl,
     long_prompt_burst,
+    shared_prefix,
     sharegpt,
+    sharegpt_conversations,
     sharegpt_pairs,
     skewed,
     skewed_corpus_ids,
@@ -208,3 +210,21 @@ def test_jsonl_empty_and_missing(tmp_path):
         jsonl(empty)
     with pytest.raises(FileNotFoundError, match="no such file"):
         jsonl(tmp_path / "absent.jsonl")
+
+
+def test_shared_prefix_groups_share_their_prefix_and_nothing_else():
+    reqs = shared_prefix(groups=3, prefix_len=40, questions=9, question_len=8, output_len=5, seed=1)
+    assert len(reqs) == 9 and all(r.prompt_len == 48 == len(r.prompt_ids) and r.output_len == 5 for r in reqs)
+    prefixes = [tuple(r.prompt_ids[:40]) for r in reqs]
+    assert len(set(prefixes)) == 3 and prefixes[0] == prefixes[3] == prefixes[6] != prefixes[1]
+    assert len({tuple(r.prompt_ids[40:]) for r in reqs}) == 9  # different questions
+    assert shared_prefix(3, 40, 9, 8, 5, seed=1) == reqs and shared_prefix(3, 40, 9, 8, 5, seed=2) != reqs
+    with pytest.raises(ValueError):
+        shared_prefix(groups=0)
+
+
+def test_sharegpt_conversations_have_at_least_three_exchanges():
+    convs = sharegpt_conversations(3)
+    assert len(convs) > 1000
+    assert all(len(c) >= 3 and all(isinstance(h, str) and isinstance(g, str) for h, g in c) for c in convs)
+    assert len(sharegpt_conversations(5)) < len(convs)

@@ -547,3 +547,34 @@ def test_metrics_count_what_was_sent(client, http, loaded_model):
     assert after[("appliance:kv_cache_usage_perc", ())] == 0
     assert after[("appliance:num_preemptions_total", ())] >= 0
     assert after[("appliance:telemetry_rows_dropped_total", ())] == 0
+
+
+# -- prefix caching ---------------------------------------------------------------------------------
+def test_prefix_cache_usage_and_counters(client, http, restore_knobs):
+    wait_idle(http)
+    before = metric_values(http.get("/metrics").text)
+    messages = [{"role": "system", "content": "You answer questions about the solar system in one short sentence, "
+                                              "naming the planet first and never guessing numbers you do not know."},
+                {"role": "user", "content": "Which planet has the largest moon?"}]
+    answers = [client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3, temperature=0)
+               for _ in range(2)]
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert answers[0].usage.prompt_tokens_details.cached_tokens == 0
+    assert 0 < answers[1].usage.prompt_tokens_details.cached_tokens < answers[1].usage.prompt_tokens
+    streamed = chunks[-1].usage.prompt_tokens_details.cached_tokens
+    assert streamed == answers[1].usage.prompt_tokens_details.cached_tokens
+    assert http.patch("/admin/knobs", json={"enable_prefix_caching": False}).status_code == 200
+    raw = http.post(CHAT, json={"model": MODEL, "messages": messages, "max_tokens": 3, "temperature": 0}).json()
+    assert raw["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    wait_idle(http)
+    after = metric_values(http.get("/metrics").text)
+
+    def delta(name: str) -> float:
+        return after[(name, ())] - before.get((name, ()), 0.0)
+
+    usages = [a.usage for a in answers] + [chunks[-1].usage]
+    assert delta("appliance:prefix_cache_queries_total") == sum(u.prompt_tokens for u in usages) + raw["usage"][
+        "prompt_tokens"]
+    assert delta("appliance:prefix_cache_hits_total") == sum(u.prompt_tokens_details.cached_tokens for u in usages)
+    assert after[("appliance:knob_enable_prefix_caching", ())] == 0

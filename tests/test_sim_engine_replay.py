@@ -32,7 +32,8 @@ def test_recorded_run_replays_to_the_same_iterations(make_engine, record_iterati
         while i < len(lengths) and (add_before[i] <= engine.iteration or not engine.has_unfinished()):
             arrivals.append(time.time())
             prompt, output = lengths[i]
-            engine.add_request(f"r{i}", list(range(100, 100 + prompt)),
+            start = 100 + 100 * i  # prompts share no prefix: the replay does not model cache hits
+            engine.add_request(f"r{i}", list(range(start, start + prompt)),
                                SamplingParams(max_tokens=output, ignore_eos=True, temperature=0.0),
                                arrival=arrivals[-1])
             i += 1

@@ -26,7 +26,7 @@ CHILD = textwrap.dedent(
         for _ in range(500):
             writer.on_iteration(IterationStats(
                 i, t0 + i * 0.001, 0.001, 0.0, 4, 1, 1, 32, 3, 3, 35, 0, 512, 64,
-                10, 90, 100, 0, 0, 1, 0, 0, 0, 0, 0, 0, "continuous", 3 * 40))
+                10, 90, 100, 0, 0, 1, 0, 0, 0, 0, 0, 0, "continuous", 3 * 40, 0, 0, 0))
             i += 1
         if not writer.flush(30):
             sys.exit("flush timed out")

@@ -44,8 +44,8 @@ def _tables_and_indexes(url: str) -> tuple[set[str], set[str]]:
 
 
 def test_revisions_are_linear_with_a_head() -> None:
-    assert store.revisions() == ["0004_binding_counters", "0003_step_time_models", "0002", "0001"]
-    assert store.head() == "0004_binding_counters"
+    assert store.revisions() == ["0005_prefix_cache", "0004_binding_counters", "0003_step_time_models", "0002", "0001"]
+    assert store.head() == "0005_prefix_cache"
     assert store.MIGRATIONS_DIR.name == "migrations" and (store.MIGRATIONS_DIR / "env.py").exists()
 
 
@@ -68,6 +68,11 @@ def test_downgrade_one_step_and_upgrade_again_keeps_data(url: str, tmp_path: Pat
             " VALUES ('r1', 'a', 'n', 'w', '{}', '{}', 1.0, 'running')"
         )
     store.downgrade(url, "-1")
+    assert store.current(url) == "0004_binding_counters"
+    with sqlite3.connect(tmp_path / "appliance.db") as raw:
+        columns = {row[1] for row in raw.execute("PRAGMA table_info(iterations)")}
+    assert "prefix_cache_hits" not in columns and "held_by_kv_blocks" in columns
+    store.downgrade(url, "-1")
     assert store.current(url) == "0003_step_time_models"
     store.downgrade(url, "-1")
     assert store.current(url) == "0002"
@@ -87,6 +92,23 @@ def test_downgrade_one_step_and_upgrade_again_keeps_data(url: str, tmp_path: Pat
     store.downgrade(url, "base")
     assert store.current(url) is None
     assert _tables_and_indexes(url)[0] == set()
+
+
+def test_prefix_cache_columns_read_zero_for_older_rows(url: str, tmp_path: Path) -> None:
+    store.upgrade(url, "0002")
+    with sqlite3.connect(tmp_path / "appliance.db") as raw:
+        raw.execute(
+            "INSERT INTO requests (replica_id, request_id, source, arrival, finished, prompt_tokens,"
+            " output_tokens, finish_reason, preemptions) VALUES ('a', 'x', 'api', 1.0, 2.0, 5, 3, 'stop', 0)"
+        )
+    store.upgrade(url)
+    with sqlite3.connect(tmp_path / "appliance.db") as raw:
+        assert raw.execute("SELECT prompt_tokens, cached_tokens FROM requests").fetchall() == [(5, 0)]
+    store.downgrade(url, "0002")
+    with sqlite3.connect(tmp_path / "appliance.db") as raw:
+        columns = {row[1] for row in raw.execute("PRAGMA table_info(requests)")}
+        assert "cached_tokens" not in columns
+        assert raw.execute("SELECT prompt_tokens FROM requests").fetchall() == [(5,)]
 
 
 def _diff_from_head(url: str, metadata: MetaData) -> list:

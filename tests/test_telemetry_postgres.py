@@ -161,6 +161,9 @@ def _iteration(i: int, t: float, running: int) -> IterationStats:
         held_by_long_partial_prefills=0, chunk_deferred_tokens=0,
         policy="continuous",
         decode_context_tokens=0,
+        kv_blocks_cached_free=0,
+        prefix_cache_queries=0,
+        prefix_cache_hits=0,
     )
 
 
@@ -191,7 +194,7 @@ def test_two_replicas_share_one_database(pg_store: str) -> None:
         for rid, running in (("gpu-a", 10), ("gpu-b", 30)):
             writers[rid].on_iteration(_iteration(i, t0 + i * 0.1, running))
     writers["gpu-a"].on_request(
-        RequestStats("a-1", "api", None, t0, t0 + 0.1, t0 + 0.2, t0 + 1, 5, 9, "stop", 0)
+        RequestStats("a-1", "api", None, t0, t0 + 0.1, t0 + 0.2, t0 + 1, 5, 9, "stop", 0, 0)
     )
     writers["gpu-b"].on_knob_change(
         KnobChange(2, 7, t0 + 5, {"max_num_seqs": 64}, {"max_num_seqs": 32}, "api")

@@ -41,6 +41,9 @@ def _iteration(i: int, t: float, running: int, replica_waiting: int = 0) -> Iter
         held_by_long_partial_prefills=0, chunk_deferred_tokens=0,
         policy="continuous",
         decode_context_tokens=0,
+        kv_blocks_cached_free=0,
+        prefix_cache_queries=0,
+        prefix_cache_hits=0,
     )
 
 
@@ -182,7 +185,7 @@ def test_latest_and_counts(url: str) -> None:
     t0 = time.time() - 100
     _write(url, [_iteration(i, t0 + i, i) for i in range(10)], "a")
     _write(url, [_iteration(i, t0 + i + 0.5, 100 + i) for i in range(3)], "b")
-    _write(url, [RequestStats("x", "api", None, t0, t0, t0, t0 + 1, 1, 1, "stop", 0)], "a")
+    _write(url, [RequestStats("x", "api", None, t0, t0, t0, t0 + 1, 1, 1, "stop", 0, 0)], "a")
     latest = queries.latest(url)
     assert latest["iteration"]["replica_id"] == "a" and latest["iteration"]["iteration"] == 9
     assert latest["iterations"] == 13 and latest["requests"] == 1 and latest["rows_dropped"] == 0
@@ -205,6 +208,7 @@ def _request(
         10,
         out,
         reason,
+        0,
         0,
     )
 

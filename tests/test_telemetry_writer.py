@@ -53,6 +53,9 @@ def _iteration(i: int, t: float, running: int = 4) -> IterationStats:
         held_by_long_partial_prefills=0, chunk_deferred_tokens=0,
         policy="continuous",
         decode_context_tokens=0,
+        kv_blocks_cached_free=0,
+        prefix_cache_queries=0,
+        prefix_cache_hits=0,
     )
 
 
@@ -198,7 +201,7 @@ def test_requests_and_knob_changes_are_written(db_path: Path) -> None:
     t = time.time()
     with _writer(db_path) as writer:
         writer.on_request(
-            RequestStats("cmpl-1", "loadtest", "run-1", t, t + 0.1, t + 0.2, t + 1.0, 12, 30, "length", 1)
+            RequestStats("cmpl-1", "loadtest", "run-1", t, t + 0.1, t + 0.2, t + 1.0, 12, 30, "length", 1, 0)
         )
         writer.on_knob_change(KnobChange(3, 41, t, {"max_num_seqs": 64}, {"max_num_seqs": 8}, "api"))
         assert writer.flush(10)
@@ -229,7 +232,7 @@ def test_records_the_store_rejects_are_dropped_not_retried_forever(db_path: Path
     with _writer(db_path) as writer:
         Pump(writer).push(10)
         # NULL in a NOT NULL column, a timestamp that is not a number, not a record at all.
-        writer.on_request(RequestStats("bad", "api", None, t, None, None, t, 1, 1, None, 0))  # type: ignore[arg-type]
+        writer.on_request(RequestStats("bad", "api", None, t, None, None, t, 1, 1, None, 0, 0))  # type: ignore[arg-type]
         writer.on_iteration(_iteration(99, None))  # type: ignore[arg-type]
         writer.on_knob_change(object())  # type: ignore[arg-type]
         assert writer.flush(10)
@@ -483,8 +486,8 @@ def test_retention_by_age_prunes_rows_and_rollups(db_path: Path) -> None:
         writer.on_iteration(_iteration(i, now - 7200 + i * 0.1))
     for i in range(1000, 2000):
         writer.on_iteration(_iteration(i, now - 300 + (i - 1000) * 0.1))
-    old = RequestStats("old", "api", None, now - 7300, None, None, now - 7200, 1, 0, "abort", 0)
-    new = RequestStats("new", "api", None, now - 10, None, None, now - 5, 1, 0, "abort", 0)
+    old = RequestStats("old", "api", None, now - 7300, None, None, now - 7200, 1, 0, "abort", 0, 0)
+    new = RequestStats("new", "api", None, now - 10, None, None, now - 5, 1, 0, "abort", 0, 0)
     writer.on_request(old)
     writer.on_request(new)
     writer.start()

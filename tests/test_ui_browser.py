@@ -21,7 +21,8 @@ CHROMIUM = Path("/usr/bin/chromium")
 ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
         "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 CHARTS = ("chart-running", "chart-waiting", "chart-kv", "chart-tokens", "chart-step-time",
-          "chart-throughput", "chart-ttft", "chart-itl", "chart-held")
+          "chart-throughput", "chart-ttft", "chart-itl", "chart-held",
+          "chart-prefix-cache")
 
 
 @pytest.fixture(scope="module")

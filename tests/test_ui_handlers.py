@@ -21,7 +21,7 @@ from sqlalchemy import select
 from conftest import serve_dashboard
 from ui.chat_tab import STATS_HEADERS
 
-DEFAULT_FORM = (64, 512, 256, 1, 1, "continuous")  # Knobs() defaults, the order of the sliders
+DEFAULT_FORM = (64, 512, 256, 1, 1, "continuous", True)  # Knobs() defaults, in the order of the form
 NO_REPLIES = {"headers": STATS_HEADERS, "data": [], "metadata": None}  # the empty per-reply table
 
 
@@ -41,7 +41,8 @@ def restore_knobs(server):
     yield
     httpx.patch(f"{server.base_url}/admin/knobs", json=dict(zip(
         ("max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold",
-         "max_num_partial_prefills", "max_long_partial_prefills", "scheduling_policy"), DEFAULT_FORM)))
+         "max_num_partial_prefills", "max_long_partial_prefills", "scheduling_policy",
+         "enable_prefix_caching"), DEFAULT_FORM)))
 
 
 def knobs(server) -> dict:
@@ -67,7 +68,8 @@ def test_reload_shows_the_knobs_in_force_and_the_fixed_settings(server, client):
     values = [u["value"] if isinstance(u, dict) else u for u in form]
     assert values == [current["knobs"][k] for k in ("max_num_seqs", "max_num_batched_tokens",
                                                      "long_prefill_token_threshold", "max_num_partial_prefills",
-                                                     "max_long_partial_prefills", "scheduling_policy")]
+                                                     "max_long_partial_prefills", "scheduling_policy",
+                                                     "enable_prefix_caching")]
     assert f"version {current['version']}" in effective
     for key in ("model", "device", "num_blocks", "block_size", "max_model_len"):
         assert f"| {key} | {current['fixed'][key]} |" in fixed
@@ -75,7 +77,7 @@ def test_reload_shows_the_knobs_in_force_and_the_fixed_settings(server, client):
 
 def test_apply_sends_one_patch_and_reports_where_it_took_effect(server, client, restore_knobs):
     before = knobs(server)
-    form = (24, 512, 128, 1, 1, "continuous")
+    form = (24, 512, 128, 1, 1, "continuous", True)
     status, effective, *_ = client.predict(*form, api_name="/knobs_apply")
     after = knobs(server)
     assert after["knobs"]["max_num_seqs"] == 24 and after["knobs"]["long_prefill_token_threshold"] == 128
@@ -89,14 +91,21 @@ def test_apply_sends_one_patch_and_reports_where_it_took_effect(server, client, 
     assert "nothing to apply" in status and knobs(server)["version"] == after["version"]
 
 
+def test_the_prefix_caching_switch_is_a_live_knob(server, client, restore_knobs):
+    status, *form = client.predict(64, 512, 256, 1, 1, "continuous", False, api_name="/knobs_apply")
+    assert "enable_prefix_caching True→False" in status
+    assert knobs(server)["knobs"]["enable_prefix_caching"] is False
+    assert (form[-1]["value"] if isinstance(form[-1], dict) else form[-1]) is False
+
+
 def test_an_invalid_set_shows_the_servers_message_and_applies_nothing(server, client):
     before = knobs(server)
-    status, effective, *_ = client.predict(64, 512, 1024, 1, 1, "continuous", api_name="/knobs_apply")
+    status, effective, *_ = client.predict(64, 512, 1024, 1, 1, "continuous", True, api_name="/knobs_apply")
     assert "Rejected — nothing applied" in status
     assert "long_prefill_token_threshold (1024) must be <= max_num_batched_tokens (512)" in status
     assert knobs(server) == before
     assert f"version {before['version']}" in effective
-    status, *_ = client.predict(64, 512, 256, 1, 1, "static", api_name="/knobs_apply")  # valid again
+    status, *_ = client.predict(64, 512, 256, 1, 1, "static", True, api_name="/knobs_apply")  # valid again
     assert "Applied" in status
     client.predict(*DEFAULT_FORM, api_name="/knobs_apply")
 
@@ -120,7 +129,7 @@ def test_presets_apply_the_knob_keys_of_the_config_files(server, client, restore
 def test_live_refresh_charts_the_telemetry_and_marks_knob_changes(server, client, restore_knobs):
     httpx.post(f"{server.base_url}/v1/completions", timeout=60,
                json={"prompt": "Hello there", "max_tokens": 8, "min_tokens": 8, "ignore_eos": True})
-    client.predict(32, 512, 256, 1, 1, "continuous", api_name="/knobs_apply")
+    client.predict(32, 512, 256, 1, 1, "continuous", True, api_name="/knobs_apply")
     time.sleep(0.5)  # the writer flushes every 0.1 s
 
     def labels(plot: dict) -> list[str]:
@@ -133,7 +142,7 @@ def test_live_refresh_charts_the_telemetry_and_marks_knob_changes(server, client
     headline, *plots, effective = wait_for(refreshed)
     state = httpx.get(f"{server.base_url}/admin/state").json()
     assert state["model"] in headline and 'data-stat="uptime"' in headline
-    assert len(plots) == 9
+    assert len(plots) == 10
     assert 'data-stat="holding"' in headline  # the reading of what is holding traffic back
     figures = [json.loads(p["plot"]) for p in plots]
     for plot, figure in zip(plots, figures):
@@ -160,12 +169,16 @@ def test_chat_streams_multi_turn_with_reply_figures(server, client):
     partial = [o[0][-1]["content"][0]["text"] for o in outputs[1:-1] if len(o[0]) == 2 and o[0][-1]["content"]]
     assert any(len(p) < len(reply) for p in partial if p)  # text appeared before the reply ended
     (row,) = table["data"]
-    assert row[0] == 1 and row[1] > 0 and 0 < row[3] <= 12 and row[4] in ("stop", "length")
+    assert row[0] == 1 and row[1] > 0 and 0 < row[3] <= 12 and row[5] in ("stop", "length")
+    cached, prompt = map(int, row[4].split(" / "))  # prompt tokens served from the prefix cache
+    assert 0 <= cached < prompt
     # second turn: the earlier turns go with it
     outputs = list(client.submit("And another.", chat, "You are terse.", 0.0, 12, table, api_name="/chat"))
     chat, _, error, table = outputs[-1]
     assert error == "" and [m["role"] for m in chat] == ["user", "assistant", "user", "assistant"]
     assert [r[0] for r in table["data"]] == [1, 2]
+    cached, prompt = map(int, table["data"][1][4].split(" / "))
+    assert cached >= 16 and cached < prompt  # the first turn's full blocks came from the cache
     chat, error, table = client.predict(api_name="/chat_clear")
     assert chat == [] and error == "" and table["data"] == []
 

@@ -89,11 +89,12 @@ def test_chat_stream_events_fill_the_reply_stats():
     stats = ChatStats(started=10.0)
     assert _take_chat_event('{"choices":[{"delta":{"content":"Hi"},"finish_reason":null}]}', stats) == "Hi"
     assert _take_chat_event('{"choices":[{"delta":{},"finish_reason":"stop"}]}', stats) == ""
-    assert _take_chat_event('{"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":9}}', stats) == ""
+    assert _take_chat_event('{"choices":[],"usage":{"prompt_tokens":50,"completion_tokens":9,'
+                            '"prompt_tokens_details":{"cached_tokens":32}}}', stats) == ""
     stats.first_token, stats.ended = 10.2, 11.0
     assert stats.finish_reason == "stop" and stats.tokens == 9
     assert stats.ttft_s == pytest.approx(0.2) and stats.tokens_per_s == pytest.approx(8 / 0.8)
-    assert stats_row(3, stats) == [3, 200.0, 10.0, 9, "stop"]
+    assert stats_row(3, stats) == [3, 200.0, 10.0, 9, "32 / 50", "stop"]
     with pytest.raises(ApiError, match="boom"):
         _take_chat_event('{"error":{"message":"boom"}}', stats)
 
@@ -141,7 +142,8 @@ def _iteration(i: int, t: float, running: int, policy: str = "continuous", versi
         sample_s=0.0,
         held_by_max_num_seqs=2 if i % 4 else 0, held_by_token_budget=0, held_by_kv_blocks=0 if i % 4 else 2,
         held_by_partial_prefills=0, held_by_long_partial_prefills=0, chunk_deferred_tokens=0,
-        policy=policy, decode_context_tokens=running * 100,
+        policy=policy, decode_context_tokens=running * 100, kv_blocks_cached_free=32,
+        prefix_cache_queries=50 if i % 2 else 0, prefix_cache_hits=20 if i % 2 else 0,
     )
 
 
@@ -158,7 +160,7 @@ def filled_store(tmp_path):
     for i in range(6):
         arrival = now - 15 + i
         writer.on_request(RequestStats(f"req-{i}", "loadtest", "run-a", arrival, arrival + 0.01,
-                                       arrival + 0.1 * (i + 1), arrival + 2.0, 20, 11, "length", 0))
+                                       arrival + 0.1 * (i + 1), arrival + 2.0, 20, 11, "length", 0, 0))
     writer.on_knob_change(KnobChange(1, 20, now - 10, {"max_num_seqs": 64}, {"max_num_seqs": 16}, "dashboard"))
     assert writer.flush()
     writer.close()
@@ -189,6 +191,12 @@ def test_live_figures_show_the_stored_series_and_the_knob_change(filled_store):
     assert figs[0].data[2].name == "max_num_seqs" and set(figs[0].data[2].y) == {16}
     kv_pct = figs[2].data[0].y
     assert all(v == pytest.approx(64 / 512 * 100) for v in kv_pct)
+    assert [t.name for t in figs[2].data[:3]] == ["used % (mean)", "cached free % (mean)", "free % (mean)"]
+    assert all(v == pytest.approx(32 / 512 * 100) for v in figs[2].data[1].y if v is not None)
+    assert all(v == pytest.approx(416 / 512 * 100) for v in figs[2].data[2].y if v is not None)
+    assert titles[-1].startswith("Prefix cache hit rate")
+    hit_rate = [v for v in figs[-1].data[0].y if v is not None]
+    assert hit_rate and all(v == pytest.approx(40) for v in hit_rate)  # 20 of 50 tokens, every other iteration
     ttft = figs[6].data
     assert [t.name for t in ttft] == ["p50", "p90", "p99"]
     # latency buckets (2 s wide over 1 min) sit on a fixed grid: the fastest request (100 ms) is

@@ -67,6 +67,8 @@ class ChatStats:
     ended: float | None = None
     chunks: int = 0
     completion_tokens: int | None = None  # from the usage chunk
+    prompt_tokens: int | None = None  # from the usage chunk
+    cached_tokens: int | None = None  # of the prompt, served from the prefix cache (usage chunk)
     finish_reason: str | None = None
 
     @property
@@ -225,6 +227,11 @@ def _take_chat_event(data: str, stats: ChatStats) -> str:
     usage = event.get("usage")
     if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
         stats.completion_tokens = usage["completion_tokens"]
+    if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
+        stats.prompt_tokens = usage["prompt_tokens"]
+        details = usage.get("prompt_tokens_details")
+        if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+            stats.cached_tokens = details["cached_tokens"]
     text = ""
     for choice in event.get("choices") or []:
         if isinstance(choice, dict):

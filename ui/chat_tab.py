@@ -1,7 +1,8 @@
 """Chat tab: multi-turn chat streamed through the server's own /v1/chat/completions.
 
 Stop cancels the streaming event; closing the generator closes the HTTP connection and the
-server aborts the request. Each reply's TTFT, decode rate and token count are listed below.
+server aborts the request. Each reply's TTFT, decode rate, token count and how many of its prompt
+tokens came from the prefix cache are listed below.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from ui.api_client import ApiError, ChatStats
 from ui.context import DashboardContext
 
 CHAT_CONCURRENCY = 16  # chats from different browser tabs proceed at once
-STATS_HEADERS = ["reply", "TTFT (ms)", "tokens/s", "tokens", "finish"]
+STATS_HEADERS = ["reply", "TTFT (ms)", "tokens/s", "tokens", "prompt tokens cached", "finish"]
 
 
 def message_text(content: Any) -> str:
@@ -46,7 +47,14 @@ def stats_row(number: int, stats: ChatStats) -> list[Any]:
     ttft = stats.ttft_s
     rate = stats.tokens_per_s
     return [number, to_ms(ttft, 1),
-            None if rate is None else round(rate, 1), stats.tokens, stats.finish_reason or ""]
+            None if rate is None else round(rate, 1), stats.tokens, cached_text(stats), stats.finish_reason or ""]
+
+
+def cached_text(stats: ChatStats) -> str:
+    """'48 / 60': prompt tokens served from the prefix cache out of the prompt's tokens."""
+    if stats.cached_tokens is None or stats.prompt_tokens is None:
+        return ""
+    return f"{stats.cached_tokens} / {stats.prompt_tokens}"
 
 
 class ChatTab:

@@ -1,4 +1,5 @@
-"""The knobs panel (always visible): sliders with number boxes, policy switch, Apply, presets.
+"""The knobs panel (always visible): sliders with number boxes, policy switch, prefix-caching
+switch, Apply, presets.
 
 Apply sends ONE PATCH /admin/knobs with the knobs that differ from the values in force; the
 server validates the set as a whole, so a rejection means nothing was applied. Presets are the
@@ -26,6 +27,7 @@ KNOB_NAMES = (
     "max_num_partial_prefills",
     "max_long_partial_prefills",
     "scheduling_policy",
+    "enable_prefix_caching",
 )
 PRESETS = ("latency", "throughput")
 FIXED_ORDER = ("model", "device", "dtype", "block_size", "num_blocks", "max_model_len")
@@ -145,6 +147,7 @@ class KnobsPanel:
             ]
             self.policy = gr.Radio(list(POLICIES), value="continuous", label="scheduling_policy",
                                    elem_id="knob-policy")
+            self.caching = gr.Checkbox(value=True, label="enable_prefix_caching", elem_id="knob-prefix-caching")
             with gr.Row():
                 self.apply = gr.Button("Apply", variant="primary", elem_id="knob-apply")
                 self.reload = gr.Button("Reload", elem_id="knob-reload", size="sm")
@@ -163,7 +166,7 @@ class KnobsPanel:
                 self.autopilot_status = gr.Markdown("", elem_id="autopilot-status")
         self.autopilot_on.input(self.on_autopilot, [self.autopilot_on, self.autopilot_spec],
                                 [self.autopilot_on, self.autopilot_status], api_name="autopilot_switch")
-        inputs = [*self.sliders, self.policy]
+        inputs = [*self.sliders, self.policy, self.caching]
         outputs = self.outputs
         self.apply.click(self.on_apply, inputs, outputs, api_name="knobs_apply")
         self.reload.click(self.on_reload, None, outputs, api_name="knobs_reload")
@@ -186,7 +189,7 @@ class KnobsPanel:
     @property
     def outputs(self) -> list[gr.components.Component]:
         """What every handler here returns: status, knobs in force, fixed settings, the form."""
-        return [self.status, self.effective, self.fixed, *self.sliders, self.policy]
+        return [self.status, self.effective, self.fixed, *self.sliders, self.policy, self.caching]
 
     # ------------------------------------------------------------------------------- handlers
 
@@ -201,16 +204,17 @@ class KnobsPanel:
             else:
                 updates.append(gr.update(value=value))
         updates.append(gr.update(value=knobs.get("scheduling_policy")))
+        updates.append(gr.update(value=knobs.get("enable_prefix_caching")))
         return updates
 
     def _view(self, status: str, payload: dict[str, Any], form: bool = True) -> list[Any]:
-        rest = self._form(payload) if form else [gr.update()] * (len(SLIDERS) + 1)
+        rest = self._form(payload) if form else [gr.update()] * (len(SLIDERS) + 2)
         return [status, effective_markdown(payload), fixed_markdown(payload), *rest]
 
     @staticmethod
     def _failed(error: ApiError) -> list[Any]:
         """The server could not be asked: say so, leave the rest as it is."""
-        return [f"**Error:** {error.message}", *[gr.update()] * (len(SLIDERS) + 3)]
+        return [f"**Error:** {error.message}", *[gr.update()] * (len(SLIDERS) + 4)]
 
     def on_reload(self, request: gr.Request) -> list[Any]:
         self.ctx.check(request)
@@ -221,7 +225,7 @@ class KnobsPanel:
 
     def on_apply(self, max_num_seqs: float, max_num_batched_tokens: float,
                  long_prefill_token_threshold: float, max_num_partial_prefills: float,
-                 max_long_partial_prefills: float, scheduling_policy: str,
+                 max_long_partial_prefills: float, scheduling_policy: str, enable_prefix_caching: bool,
                  request: gr.Request) -> list[Any]:
         """One PATCH with the form's values that differ from those in force."""
         self.ctx.check(request)
@@ -229,6 +233,7 @@ class KnobsPanel:
                   max_num_partial_prefills, max_long_partial_prefills)
         wanted = {spec.name: coerce(v) for spec, v in zip(SLIDERS, values)}
         wanted["scheduling_policy"] = scheduling_policy
+        wanted["enable_prefix_caching"] = bool(enable_prefix_caching)
         return self.send(wanted)
 
     def _preset_handler(self, name: str):

@@ -62,13 +62,14 @@ class LiveChart:
 CHARTS = (
     LiveChart("chart-running", ("running", "max_num_seqs")),
     LiveChart("chart-waiting", ("waiting",)),
-    LiveChart("chart-kv", ("kv_blocks_used", "kv_blocks_total")),
+    LiveChart("chart-kv", ("kv_blocks_used", "kv_blocks_cached_free", "kv_blocks_free", "kv_blocks_total")),
     LiveChart("chart-tokens", ("decode_tokens", "prefill_tokens", "padding_tokens", "token_budget")),
     LiveChart("chart-step-time", ("duration_s",)),
     LiveChart("chart-throughput", ("decode_tokens",)),
     LiveChart("chart-ttft"),  # request latencies, not iteration series
     LiveChart("chart-itl"),
     LiveChart("chart-held"),  # queued request-time by cause (queries.held_time)
+    LiveChart("chart-prefix-cache", ("prefix_cache_hits", "prefix_cache_queries")),
 )
 CHART_IDS = tuple(chart.id for chart in CHARTS)
 HEADLINE_SERIES = ("preemptions",)  # the headline's preemption count over the window
@@ -225,11 +226,16 @@ def figure_specs(data: LiveData) -> list[dict[str, Any]]:
 
     used, total = s["kv_blocks_used"], s["kv_blocks_total"]
     blocks = max((p.max for p in total.points), default=0.0)
-    pct = line(_xy(used, "mean", 100 / blocks if blocks else 0.0), "used % (mean)", charts.COLORS[3],
-               fill="tozeroy")
+    scale = 100 / blocks if blocks else 0.0
+    cached_xy = _xy(s["kv_blocks_cached_free"], "mean", scale)
+    free_x, free_y = _xy(s["kv_blocks_free"], "mean", scale)
+    plain_free = (free_x, [None if f is None or c is None else f - c for f, c in zip(free_y, cached_xy[1])])
+    kv = [line(_xy(used, "mean", scale), "used % (mean)", charts.COLORS[3], stackgroup="kv"),
+          line(cached_xy, "cached free % (mean)", charts.COLORS[2], stackgroup="kv"),
+          line(plain_free, "free % (mean)", "#d1d5db", stackgroup="kv")]
     most = line(_xy(used, "max"), "blocks used (max)", charts.COLORS[3], dash="dot", width=1)
     most["yaxis"] = "y2"
-    figs.append(figure("KV block usage", "% of KV blocks", [pct, most], iterations,
+    figs.append(figure("KV blocks: used / cached free / free", "% of KV blocks", [*kv, most], iterations,
                        yaxis={"range": [0, 100], "rangemode": "normal"},
                        yaxis2={"title": {"text": f"blocks (of {int(blocks)})" if blocks else "blocks"}, "range": [0, blocks or 1],
                                "overlaying": "y", "side": "right", "showgrid": False, "zeroline": False, "tickmode": "auto"},
@@ -266,10 +272,25 @@ def figure_specs(data: LiveData) -> list[dict[str, Any]]:
     traces[0]["groupnorm"] = "percent"
     figs.append(figure("What is holding traffic back", "% of queued request-time", traces, bool(times),
                        yaxis={"range": [0, 100], "rangemode": "normal"}))
+    figs.append(figure("Prefix cache hit rate", "% of looked-up prompt tokens", [
+        line(hit_rate(s["prefix_cache_hits"], s["prefix_cache_queries"]), "hit rate", charts.COLORS[2], markers=True),
+    ], any(p.sum > 0 for p in s["prefix_cache_queries"].points), yaxis={"range": [0, 100], "rangemode": "normal"}))
     return figs
 
 
 NO_DATA = "no data in this window"
+
+
+def hit_rate(hits: Series, queries: Series) -> tuple[list[float], list[float | None]]:
+    """Per bucket, the % of prompt tokens looked up at admission that were served from the prefix
+    cache; buckets where nothing was admitted are left out."""
+    by_time = {p.t: p.sum for p in hits.points}
+    xs, ys = [], []
+    for p in queries.points:
+        if p.sum > 0:
+            xs.append(p.t + queries.bucket_s / 2)
+            ys.append(100 * by_time.get(p.t, 0.0) / p.sum)
+    return xs, ys
 
 
 def build_figures(data: LiveData) -> list[go.Figure]:

@@ -27,12 +27,13 @@ from appliance.bench.workloads import (
     BenchRequest,
     jsonl,
     long_prompt_burst,
+    shared_prefix,
     sharegpt,
     skewed,
 )
 from appliance.numeric import ms_text
 
-DEFAULT_NUM_REQUESTS = {"skewed": 64, "sharegpt": 64, "long-prompt-burst": 32}
+DEFAULT_NUM_REQUESTS = {"skewed": 64, "sharegpt": 64, "long-prompt-burst": 32, "shared-prefix": 64}
 API_KEY_ENV = "APPLIANCE_API_KEY"
 
 
@@ -73,7 +74,8 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"server root (a trailing /v1 is fine; default {DEFAULT_BASE_URL})")
     parser.add_argument("--workload", choices=WORKLOADS, default="skewed",
                         help="skewed (the 64-request benchmark mix), sharegpt, long-prompt-burst, "
-                             "or jsonl (your own file, see --file)")
+                             "shared-prefix (--prefix-groups system prompts of --prefix-len tokens, each "
+                             "followed by different questions), or jsonl (your own file, see --file)")
     parser.add_argument("--file", default=None,
                         help='JSONL for --workload jsonl: one {"prompt" or "prompt_ids", '
                              '"output_len"} object per line')
@@ -98,6 +100,10 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds to wait for each part of a reply (default 600)")
     parser.add_argument("--long-prompt-len", type=_positive_int, default=1024,
                         help="prompt length of the long requests of long-prompt-burst")
+    parser.add_argument("--prefix-groups", type=_positive_int, default=4,
+                        help="shared-prefix: how many different system prompts (default 4)")
+    parser.add_argument("--prefix-len", type=_positive_int, default=1024,
+                        help="shared-prefix: tokens in each system prompt (default 1024)")
     parser.add_argument("--model", default=None,
                         help="local model whose tokenizer counts (sharegpt) or decodes (sampled "
                              "skewed, long-prompt-burst) tokens (default: embedded SmolLM2)")
@@ -124,6 +130,9 @@ def build_workload(args: argparse.Namespace) -> tuple[list[BenchRequest], str]:
     elif kind == "sharegpt":
         tokenizer = _tokenizer(args)
         requests = sharegpt(n, seed, lambda text: len(tokenizer.encode(text, add_special_tokens=False)))
+    elif kind == "shared-prefix":
+        requests = shared_prefix(args.prefix_groups, args.prefix_len, n, seed=seed, detokenize=_tokenizer(args).decode)
+        return requests, f"{kind} G={args.prefix_groups} L={args.prefix_len} n={n} seed={seed}"
     else:
         requests = long_prompt_burst(n, seed, long_prompt_len=args.long_prompt_len,
                                      detokenize=_tokenizer(args).decode)
@@ -294,6 +303,8 @@ def format_run(run: BenchmarkRun) -> str:
         f"{'Duration':<24}{s.duration_s:.2f} s",
         f"{'Input tokens':<24}{s.total_input_tokens}",
         f"{'Output tokens':<24}{s.total_output_tokens}",
+        f"{'Prefix cache hit rate':<24}"
+        + ("n/a" if s.prefix_cache_hit_rate is None else f"{s.prefix_cache_hit_rate:.1%} of input tokens"),
         f"{'Request throughput':<24}{s.request_throughput:.2f} req/s",
         f"{'Output throughput':<24}{s.output_throughput:.1f} tok/s",
         f"{'Total throughput':<24}{s.total_token_throughput:.1f} tok/s",

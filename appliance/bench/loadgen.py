@@ -485,6 +485,9 @@ def _take_event(data: str, result: RequestResult, chunk_times: list[float]) -> b
     if isinstance(usage, dict):
         result.prompt_tokens = usage.get("prompt_tokens", result.prompt_tokens)
         result.output_tokens = usage.get("completion_tokens", result.output_tokens)
+        details = usage.get("prompt_tokens_details")
+        if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+            result.cached_tokens = details["cached_tokens"]
     return True
 
 

@@ -59,6 +59,7 @@ class RequestResult:
     itl: list[float] = field(default_factory=list)
     e2e: float | None = None
     prompt_tokens: int | None = None  # as reported by the server's usage
+    cached_tokens: int | None = None  # of those, served from the prefix cache (usage.prompt_tokens_details)
     output_tokens: int | None = None  # usage, else the number of output chunks
     requested_output_len: int | None = None
     finish_reason: str | None = None
@@ -157,6 +158,7 @@ class Summary:
     duration_s: float
     total_input_tokens: int
     total_output_tokens: int
+    total_cached_tokens: int  # input tokens the server served from its prefix cache
     request_throughput: float  # completed requests per second
     output_throughput: float  # output tokens of completed requests per second
     total_token_throughput: float  # input + output tokens of completed requests per second
@@ -169,9 +171,15 @@ class Summary:
     slo_met: int | None  # completed requests within the SLO
     goodput: float | None  # requests per second within the SLO
 
+    @property
+    def prefix_cache_hit_rate(self) -> float | None:
+        """Share of the completed requests' input tokens served from the server's prefix cache."""
+        return self.total_cached_tokens / self.total_input_tokens if self.total_input_tokens else None
+
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["slo"] = self.slo.as_dict() if self.slo else None
+        d["prefix_cache_hit_rate"] = self.prefix_cache_hit_rate
         return d
 
 
@@ -209,6 +217,7 @@ def summarize(
         duration_s=duration_s,
         total_input_tokens=input_tokens,
         total_output_tokens=output_tokens,
+        total_cached_tokens=sum(r.cached_tokens or 0 for r in ok),
         request_throughput=len(ok) / duration_s,
         output_throughput=output_tokens / duration_s,
         total_token_throughput=(input_tokens + output_tokens) / duration_s,

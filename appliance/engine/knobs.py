@@ -14,7 +14,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, Mapping
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, TypeAdapter, ValidationError
 
 from ..policies import POLICIES
 from .stats import KnobChange
@@ -49,6 +49,7 @@ class Knobs(BaseModel):
     max_num_partial_prefills: Seqs = Field(1, description="prompts prefilled concurrently")
     max_long_partial_prefills: Seqs = Field(1, description="long prompts prefilled concurrently")
     scheduling_policy: Literal[POLICIES] = Field("continuous", description="continuous or static batching")
+    enable_prefix_caching: StrictBool = Field(True, description="reuse the KV blocks of cached prompt prefixes")
 
     def __init__(self, **values: Any) -> None:
         try:

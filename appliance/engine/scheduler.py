@@ -13,6 +13,12 @@ stopped it (`HoldCause`; a long prompt skipped for a shorter one counts under
 max_long_partial_prefills), and prefill tokens that fitted the budget but not the chunk size are
 counted as deferred. Continuous policy only; preemptions are `preempted` itself.
 
+Prefix caching: at admission a sequence takes the cached blocks of its longest cached prefix
+(BlockManager.match_prefix) and starts with those tokens computed, so budget, chunking and the
+partial/long-prefill limits all see only its uncached tokens; a preempted sequence re-matches
+its own blocks when it comes back. The `enable_prefix_caching` knob is applied to the block
+manager at the start of each schedule, and blocks filled by the last iteration are cached then.
+
 The `static` policy is the classic padded batch kept for A/B comparison: a batch is admitted only
 when none is running, and members that finish stay in it as padding rows until the last one ends.
 """
@@ -44,6 +50,8 @@ class SchedulerOutput:
     padding_rows: int = 0  # static policy: finished members still computed as padding
     held: dict[HoldCause, int] = field(default_factory=dict)  # waiting requests by what held them
     chunk_deferred_tokens: int = 0  # prefill tokens within the budget left for later by the chunk size
+    prefix_cache_queries: int = 0  # tokens of the sequences admitted now, looked up in the cache
+    prefix_cache_hits: int = 0  # of which served from the cache (not computed)
 
     def hold(self, cause: HoldCause, count: int) -> None:
         if count:
@@ -99,8 +107,11 @@ class Scheduler:
         budget = knobs.max_num_batched_tokens
         chunk = knobs.long_prefill_token_threshold
         static = knobs.scheduling_policy == "static"
+        self.block_manager.set_caching(knobs.enable_prefix_caching)
+        for seq in self.running:  # blocks filled by the last iteration join the cache
+            self.block_manager.cache_full_blocks(seq)
         if static and not self.running:
-            self._form_static_batch()
+            self._form_static_batch(out)
         decodes = [s for s in self.running if not _needs_prefill(s)]
         prefills = [s for s in self.running if _needs_prefill(s)]
 
@@ -140,20 +151,24 @@ class Scheduler:
                 item.seq.first_scheduled = now
         return out
 
-    def _form_static_batch(self) -> None:
+    def _form_static_batch(self, out: SchedulerOutput) -> None:
         """Static policy: take up to max_num_seqs waiting requests whose prompts fit in the cache.
 
         Their prompts are then prefilled (within the token budget) and they decode together;
         nothing joins until every member is done.
         """
         bm = self.block_manager
-        free = bm.num_free_blocks
+        reserved = 0  # blocks the members admitted so far still need
         while self.waiting and len(self.running) < self.knobs.max_num_seqs:
-            need = -(-self.waiting[0].num_tokens // bm.block_size)
-            if need > free:
+            seq = self.waiting[0]
+            self._match(seq)
+            need = -(-seq.num_tokens // bm.block_size) - len(seq.block_table)
+            if need > bm.num_free_blocks - reserved:
+                self._unmatch(seq)
                 break
-            free -= need
-            seq = self.waiting.popleft()
+            reserved += need
+            self.waiting.popleft()
+            self._count_admission(seq, out)
             seq.status = Status.RUNNING
             self.running.append(seq)
 
@@ -174,18 +189,22 @@ class Scheduler:
             if stop is not None:
                 break
             seq = self.waiting.popleft()
+            self._match(seq)
             is_long = seq.num_uncomputed > chunk
             if is_long and long_partial >= knobs.max_long_partial_prefills:
+                self._unmatch(seq)
                 skipped.append(seq)  # let shorter prompts behind it go first
                 continue
             wanted = min(seq.num_uncomputed, budget)
             n = self._fit(seq, min(wanted, chunk))
             if n == 0:
+                self._unmatch(seq)
                 self.waiting.appendleft(seq)
                 stop = HoldCause.KV_BLOCKS  # out of KV blocks: admit nothing more this iteration
                 break
             out.chunk_deferred_tokens += wanted - min(wanted, chunk)
             self.block_manager.allocate(seq, n)
+            self._count_admission(seq, out)
             seq.status = Status.RUNNING
             self.running.append(seq)
             out.scheduled.append(ScheduledSeq(seq, n, is_prefill=True))
@@ -197,6 +216,22 @@ class Scheduler:
             out.hold(stop, len(self.waiting))
         out.hold(HoldCause.LONG_PARTIAL_PREFILLS, len(skipped))
         self.waiting.extendleft(reversed(skipped))
+
+    def _match(self, seq: Sequence) -> None:
+        """Start a waiting sequence from its longest cached prefix (its blocks now held)."""
+        self.block_manager.match_prefix(seq)
+
+    def _unmatch(self, seq: Sequence) -> None:
+        """Undo `_match` for a sequence that stays waiting (its blocks go back to the cache)."""
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+
+    @staticmethod
+    def _count_admission(seq: Sequence, out: SchedulerOutput) -> None:
+        out.prefix_cache_queries += seq.num_tokens
+        out.prefix_cache_hits += seq.num_computed_tokens
+        if seq.num_cached_tokens is None:  # the request's first admission
+            seq.num_cached_tokens = seq.num_computed_tokens
 
     def _fit(self, seq: Sequence, wanted: int) -> int:
         """How many of `wanted` tokens fit in the blocks `seq` has plus the free ones."""

@@ -40,6 +40,9 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # chain hashes of its full token blocks
+    num_cached_blocks: int = 0  # leading blocks of block_table already in the prefix cache
+    num_cached_tokens: int | None = None  # prompt tokens served from the cache at first admission
     finish_reason: FinishReason | None = None
     error: str | None = None
     preemptions: int = 0

@@ -64,6 +64,12 @@ class ServerMetrics(StatsSink):
         self.preemptions = Counter(PREFIX + "num_preemptions", "Cumulative preemptions.", registry=r)
         self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens of finished requests.",
                                      registry=r)
+        self.prefix_cache_queries = Counter(PREFIX + "prefix_cache_queries",
+                                            "Prompt tokens of finished requests looked up in the prefix cache.",
+                                            registry=r)
+        self.prefix_cache_hits = Counter(PREFIX + "prefix_cache_hits",
+                                         "Prompt tokens of finished requests served from the prefix cache.",
+                                         registry=r)
         self.generation_tokens = Counter(PREFIX + "generation_tokens",
                                          "Generated tokens of finished requests.", registry=r)
         self.request_success = Counter(PREFIX + "request_success", "Finished requests by finish reason.",
@@ -104,6 +110,8 @@ class ServerMetrics(StatsSink):
 
     def on_request(self, stats: RequestStats) -> None:
         self.prompt_tokens.inc(stats.prompt_tokens)
+        self.prefix_cache_queries.inc(stats.prompt_tokens)
+        self.prefix_cache_hits.inc(stats.cached_tokens)
         self.generation_tokens.inc(stats.output_tokens)
         self.request_success.labels(stats.finish_reason).inc()
         self.e2e.observe(max(0.0, stats.finished - stats.arrival))

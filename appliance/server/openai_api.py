@@ -170,9 +170,10 @@ class _Formatter:
                 "created": self.created, "model": self.model, "choices": [choice], "usage": usage(final)}
 
 
-def usage(final: RequestOutput) -> dict[str, int]:
+def usage(final: RequestOutput) -> dict[str, Any]:
     return {"prompt_tokens": final.prompt_tokens, "completion_tokens": final.output_tokens,
-            "total_tokens": final.prompt_tokens + final.output_tokens}
+            "total_tokens": final.prompt_tokens + final.output_tokens,
+            "prompt_tokens_details": {"cached_tokens": final.cached_tokens}}
 
 
 def _model_fault(final: RequestOutput) -> APIError:

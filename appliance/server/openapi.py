@@ -49,7 +49,9 @@ def build_openapi(models: RequestModels, model: str, auth: bool) -> dict[str, An
     """The schema for a server serving `model`, whose requests `models` validate."""
     usage = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"], "properties": {
         "prompt_tokens": {"type": "integer"}, "completion_tokens": {"type": "integer"},
-        "total_tokens": {"type": "integer"}}}
+        "total_tokens": {"type": "integer"},
+        "prompt_tokens_details": {"type": "object", "required": ["cached_tokens"], "properties": {
+            "cached_tokens": {"type": "integer", "description": "prompt tokens served from the prefix cache"}}}}}
     finish = _nullable({"type": "string", "enum": [r.value for r in FinishReason]})
     schemas = {
         **_model_schemas(models),
@@ -96,6 +98,7 @@ def build_openapi(models: RequestModels, model: str, auth: bool) -> dict[str, An
             "replica_id", "telemetry_rows_dropped"], "properties": {
             "status": {"type": "string"}, "running": {"type": "integer"}, "waiting": {"type": "integer"},
             "kv_blocks_used": {"type": "integer"}, "kv_blocks_free": {"type": "integer"},
+            "kv_blocks_cached_free": {"type": "integer", "description": "free blocks still holding a cached prefix"},
             "kv_blocks_total": {"type": "integer"}, "iteration": {"type": "integer"},
             "knob_version": {"type": "integer"}, "uptime_s": {"type": "number"}, "model": {"type": "string"},
             "device": {"type": "string"}, "replica_id": {"type": "string"},

@@ -168,6 +168,7 @@ class AppState:
             "waiting": snap["waiting"],
             "kv_blocks_used": snap["kv_blocks_used"],
             "kv_blocks_free": snap["kv_blocks_free"],
+            "kv_blocks_cached_free": snap["kv_blocks_cached_free"],
             "kv_blocks_total": snap["kv_blocks_total"],
             "iteration": snap["iteration"],
             "knob_version": snap["knob_version"],

@@ -4,7 +4,8 @@ No model runs: the loop is the engine's (add arrivals and aborts at the iteratio
 schedule, run, sample one token per caught-up sequence, finish), the clock is virtual, and each
 iteration lasts what a step timer says for its composition (a fitted StepTimeModel, or the
 recorded durations of a real run). Every request is forced to its recorded/requested output
-length. The result carries the same per-request records and summary that `appliance bench`
+length. Prompts share no prefix (no prefix-cache hits are modelled: a workload whose recorded
+requests hit the cache is predicted as if every prompt token were computed). The result carries the same per-request records and summary that `appliance bench`
 produces, and the per-iteration records the engine would have published.
 """
 
@@ -166,7 +167,8 @@ class _Replay:
             ticket = self._next_pending  # the engine's admission ticket: arrival order
             self._next_pending += 1
             r = self.requests[i]
-            seq = EngineSequence(request_id=str(i), prompt_token_ids=[0] * r.prompt_tokens,
+            # distinct tokens per request: the replay does not model prefix-cache hits across requests
+            seq = EngineSequence(request_id=str(i), prompt_token_ids=[i + 1] * r.prompt_tokens,
                                  params=SamplingParams(max_tokens=r.output_tokens, ignore_eos=True),
                                  detokenizer=None, arrival=t, arrival_order=ticket)  # type: ignore[arg-type]
             self.seqs[i] = seq

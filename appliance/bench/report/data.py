@@ -47,6 +47,13 @@ class IterationTotals:
     kv_pinned_share: float | None  # share of iterations at >= KV_PINNED of the cache
     running_max: int
     waiting_max: int
+    prefix_cache_queries: int = 0  # tokens looked up in the prefix cache at admission
+    prefix_cache_hits: int = 0  # of which served from it
+
+    @property
+    def prefix_cache_hit_rate(self) -> float | None:
+        """Share of the tokens looked up at admission that the prefix cache served."""
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else None
 
     @property
     def padding_share(self) -> float | None:
@@ -179,6 +186,8 @@ def iteration_totals(target: Engine | str, replica_id: str, since: float, until:
         share(kv >= KV_PINNED),
         func.coalesce(func.max(it.c.running), 0),
         func.coalesce(func.max(it.c.waiting), 0),
+        func.coalesce(func.sum(it.c.prefix_cache_queries), 0),
+        func.coalesce(func.sum(it.c.prefix_cache_hits), 0),
     ).where(it.c.replica_id == replica_id, it.c.started_at >= since, it.c.started_at <= until)
     with using_engine(target) as engine, engine.connect() as conn:
         row = conn.execute(query).one()
@@ -194,6 +203,7 @@ def iteration_totals(target: Engine | str, replica_id: str, since: float, until:
         budget_full_share=frac(row[8]), waiting_share=frac(row[9]),
         kv_use_max=None if row[10] is None else float(row[10]), kv_pinned_share=frac(row[11]),
         running_max=int(row[12]), waiting_max=int(row[13]),
+        prefix_cache_queries=int(row[14]), prefix_cache_hits=int(row[15]),
     )
 
 

@@ -117,6 +117,7 @@ def iterations_table(data: RunData) -> Table:
         ["Padding rows", str(t.padding_tokens)],
         ["Padding share of computed rows", pct(t.padding_share)],
         ["Preemptions", str(t.preemptions)],
+        ["Prefix cache hit rate (tokens at admission)", pct(t.prefix_cache_hit_rate)],
         ["Mean token budget use", pct(t.budget_use_mean)],
         [f"Iterations filling >= {BUDGET_FULL:.0%} of the budget", pct(t.budget_full_share)],
         ["Iterations with requests waiting", pct(t.waiting_share)],

