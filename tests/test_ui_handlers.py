@@ -338,6 +338,33 @@ def test_the_runs_list_reloads_when_its_tab_opens_and_when_a_job_ends(server, cl
         assert runs_table in by_name[f"{job}_done"]["outputs"]
 
 
+def test_the_open_runs_tab_shows_a_run_started_elsewhere_without_a_refresh(server, client):
+    """While the Runs tab is shown its timer polls: a run created in the store (as a terminal's
+    `appliance bench` does) appears with the operator's selection kept, and a poll that finds
+    nothing new sends nothing."""
+    def create(name: str) -> str:
+        return runs.create_run(server.db_url, name, "skewed n=1 seed=0", {"mode": "all-at-once"}, knobs(server), "cli")
+
+    first = create("selected before")
+    later = None
+    try:
+        table, select = client.predict([], api_name="/runs_poll")  # the session's first poll lists all
+        assert first in [r[-1] for r in table["data"]] and first in [c[1] for c in select["choices"]]
+        unchanged = client.predict([first], api_name="/runs_poll")
+        assert all(set(update) == {"__type__"} for update in unchanged)  # skipped: nothing re-sent
+        later = create("from a terminal")
+        table, select = client.predict([first], api_name="/runs_poll")
+        assert later in [r[-1] for r in table["data"]] and later in [c[1] for c in select["choices"]]
+        assert select["value"] == [first]
+    finally:
+        for run_id in filter(None, (first, later)):
+            runs.finish_run(server.db_url, run_id, "failed")
+    config = httpx.get(f"{server.ui_url}config").json()
+    by_name = {d["api_name"]: d for d in config["dependencies"]}
+    tab = next(c["id"] for c in config["components"] if c.get("props", {}).get("elem_id") == "tab-runs")
+    assert [tab, "select"] in by_name["runs_poll_on"]["targets"]
+
+
 def test_compare_and_export_stored_runs(server, client):
     ids = [r["id"] for r in runs.list_runs(server.db_url) if r["status"] == "completed"][:2]
     if len(ids) < 2:

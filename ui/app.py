@@ -88,6 +88,10 @@ def build_dashboard(
         live_page.select(lambda: gr.Timer(active=True), None, live.timer, api_name="live_shown")
         for name, page in (("chat", chat_page), ("loadtest", loadtest_page), ("runs", runs_page)):
             page.select(lambda: gr.Timer(active=False), None, live.timer, api_name=f"{name}_shown")
+        # the Runs list polls the store while its tab is shown (runs started from a terminal)
+        runs_page.select(lambda: gr.Timer(active=True), None, runs_tab.timer, api_name="runs_poll_on")
+        for name, page in (("live", live_page), ("chat", chat_page), ("loadtest", loadtest_page)):
+            page.select(lambda: gr.Timer(active=False), None, runs_tab.timer, api_name=f"runs_poll_off_{name}")
         # the runs list is read again whenever its tab opens (a run started meanwhile, from here or
         # elsewhere, shows at once) and whenever a load test or sweep started here ends (after_job)
         runs_page.select(runs_tab.refresh, None, runs_tab.refresh_outputs, api_name="runs_opened",

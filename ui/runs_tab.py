@@ -15,6 +15,7 @@ from ui.runs_view import TABLE_HEADERS, run_figures, run_label, table_row
 from ui.slow_requests import Scope, SlowRequestsPanel
 
 RUNS_LIMIT = 200
+POLL_S = 5.0  # while the tab is shown: a run started or ended elsewhere shows within this
 OVERLAY_POINTS = 200
 THROUGHPUT_BARS = (("output_tok_s", "output tokens/s"),)
 LATENCY_BARS = (("ttft_p50_ms", "TTFT p50"), ("ttft_p90_ms", "TTFT p90"), ("ttft_p99_ms", "TTFT p99"),
@@ -68,7 +69,11 @@ class RunsTab:
         self.overlay_plot = gr.Plot(elem_id="runs-timeseries-chart", show_label=False)
         SlowRequestsPanel(self.ctx, self.db, "runs", self.scope).build(self.select)
 
+        self.seen = gr.State(None)  # what the table shows: the listed runs' ids and statuses
+        self.timer = gr.Timer(POLL_S, active=False)  # on while the tab is shown (ui.app)
         self.refresh_button.click(self.refresh, None, [self.table, self.select], api_name="runs_refresh")
+        self.timer.tick(self.poll, [self.seen, self.select], [self.table, self.select, self.seen],
+                        api_name="runs_poll", show_progress="hidden")
         self.compare_button.click(self.compare, [self.select],
                                   [self.status, self.throughput_plot, self.latency_plot, self.overlay_plot],
                                   api_name="runs_compare")
@@ -96,6 +101,25 @@ class RunsTab:
             gr.Warning(f"telemetry store unavailable: {type(exc).__name__}")
             return [gr.update(), gr.update()]
         return [rows, gr.update(choices=[(run_label(r), r["id"]) for r in stored])]
+
+    def poll(self, seen: str | None, selected: list[str] | None, request: gr.Request) -> list[Any]:
+        """The table again only when a run was added or changed status since `seen` (the
+        operator's selection is kept); otherwise nothing is sent."""
+        self.ctx.check(request)
+        try:
+            stored = runs.list_runs(self.db, limit=RUNS_LIMIT)
+        except SQLAlchemyError:
+            return [gr.skip(), gr.skip(), gr.skip()]
+        signature = ",".join(f"{r['id']}:{r['status']}" for r in stored)
+        if signature == seen:
+            return [gr.skip(), gr.skip(), gr.skip()]
+        try:
+            rows = [table_row(self.db, run) for run in stored]
+        except SQLAlchemyError:
+            return [gr.skip(), gr.skip(), gr.skip()]
+        ids = {r["id"] for r in stored}
+        keep = [run_id for run_id in selected or [] if run_id in ids]
+        return [rows, gr.update(choices=[(run_label(r), r["id"]) for r in stored], value=keep), signature]
 
     def compare(self, run_ids: list[str], request: gr.Request) -> list[Any]:
         self.ctx.check(request)

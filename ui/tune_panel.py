@@ -26,6 +26,7 @@ from appliance.bench.tune import (
     DEFAULT_ATTAINMENT,
     TUNED,
     Grid,
+    PointStatus,
     SweepPoint,
     SweepResult,
     apply_recommendation_at,
@@ -173,7 +174,7 @@ def point_rows(result: SweepResult) -> list[list[Any]]:
     rows = []
     for i, p in enumerate(result.points):
         fronts = [name for name, front in (("TTFT", result.pareto_ttft), ("ITL", result.pareto_itl)) if i in front]
-        measured = p.status == "ok"
+        measured = p.status is PointStatus.OK
         met = ("yes" if p.meets_slo else "no") if measured else "-"
         if i == result.recommended:
             met += " (recommended)"
@@ -197,7 +198,7 @@ def progress_html(job: SweepJob) -> str:
     """Points done out of the coarse grid (then the refinement), the current point's requests and
     the sweep's own lines; the state in data-state for scripts and tests."""
     coarse = len(job.spec.grid.points())
-    finished = [p for p in job.points if p.status != "pending"]
+    finished = [p for p in job.points if p.status is not PointStatus.PENDING]
     refined = sum(p.stage == "refine" for p in job.points)
     total = coarse + refined
     parts = [f'<div id="tune-state" data-state="{job.state}" data-points="{len(finished)}">',
@@ -205,7 +206,7 @@ def progress_html(job: SweepJob) -> str:
              + (f" + {refined} refining" if refined else "")
              + f' <progress value="{len(finished)}" max="{max(total, 1)}" style="width:40%"></progress>']
     p = job.progress
-    current = next((pt for pt in job.points if pt.status == "pending"), None)
+    current = next((pt for pt in job.points if pt.status is PointStatus.PENDING), None)
     if current is not None and p is not None and not job.done.is_set():
         parts.append(f"<div>now {html.escape(current.label)}: {p.done}/{p.total} requests done, "
                      f"{p.in_flight} in flight, {p.elapsed_s:.1f} s</div>")
@@ -311,7 +312,7 @@ class TunePanel:
         shown = -1
         while not job.done.wait(POLL_S):
             result = partial_result(job)
-            measured = sum(p.status != "pending" for p in result.points)
+            measured = sum(p.status is not PointStatus.PENDING for p in result.points)
             chart = keep
             if measured != shown:  # redraw only when a point has ended
                 shown, chart = measured, sweep_figure(result)

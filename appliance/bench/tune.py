@@ -27,6 +27,7 @@ from appliance.bench.metrics import SLO
 from appliance.bench.runner import run_benchmark
 from appliance.bench.workloads import BenchRequest
 from appliance.numeric import ms_text
+from appliance.records import StrEnum
 
 TUNED = ("max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold")
 SHORT = {"max_num_seqs": "seqs", "max_num_batched_tokens": "budget", "long_prefill_token_threshold": "chunk"}
@@ -60,11 +61,20 @@ class Grid:
         return [dict(zip(TUNED, combo)) for combo in itertools.product(*(getattr(self, n) for n in TUNED))]
 
 
+class PointStatus(StrEnum):
+    """Where a sweep point stands: PENDING until measured (OK) or not (SKIPPED, FAILED)."""
+
+    PENDING = "pending"
+    OK = "ok"
+    SKIPPED = "skipped"  # not run: the knobs were refused or cannot fit
+    FAILED = "failed"  # run, but cancelled or no request completed
+
+
 @dataclass
 class SweepPoint:
     knobs: dict[str, int]  # the tuned knobs' values at this point
     stage: str  # "coarse" or "refine"
-    status: str = "pending"  # ok | skipped | failed
+    status: PointStatus = PointStatus.PENDING
     reason: str | None = None  # why skipped or failed
     run_id: str | None = None
     completed: int = 0
@@ -77,6 +87,9 @@ class SweepPoint:
     attainment: float | None = None  # share of the workload's requests within the SLO
     meets_slo: bool = False
     predicted: dict[str, float | None] | None = None  # the simulator's figures (tune --simulate), same names
+
+    def __post_init__(self) -> None:
+        self.status = PointStatus(self.status)  # ValueError for an unknown status
 
     @property
     def label(self) -> str:
@@ -120,7 +133,7 @@ def pareto_front(points: Sequence[SweepPoint], latency: str) -> list[int]:
     """Indexes of the measured points no other point beats on both output throughput (higher)
     and `latency` ("ttft_p99" or "itl_p99", lower), by throughput descending."""
     candidates = [i for i, p in enumerate(points)
-                  if p.status == "ok" and p.output_throughput is not None and getattr(p, latency) is not None]
+                  if p.status is PointStatus.OK and p.output_throughput is not None and getattr(p, latency) is not None]
 
     def dominates(a: SweepPoint, b: SweepPoint) -> bool:
         ta, tb, la, lb = a.output_throughput, b.output_throughput, getattr(a, latency), getattr(b, latency)
@@ -292,12 +305,12 @@ async def _measure(
 ) -> None:
     reason = invalid_reason(current, point.knobs)
     if reason is not None:
-        point.status, point.reason = "skipped", reason
+        point.status, point.reason = PointStatus.SKIPPED, reason
         return
     try:
         await patch_knobs(client, point.knobs)
     except KnobRejected as exc:
-        point.status, point.reason = "skipped", f"the server refused it: {exc}"
+        point.status, point.reason = PointStatus.SKIPPED, f"the server refused it: {exc}"
         return
     current.update(point.knobs)
     run = await run_benchmark(make_generator(), workload=workload, name=f"tune {point.label}", db_url=db_url)
@@ -305,12 +318,12 @@ async def _measure(
     point.run_id = run.run_id if db_url and not run.storage_error else None
     point.completed, point.failed = s.completed, s.failed
     if run.load.stopped == "cancelled":
-        point.status, point.reason = "failed", "cancelled"
+        point.status, point.reason = PointStatus.FAILED, "cancelled"
         raise _Stopped
     if s.completed == 0:
-        point.status, point.reason = "failed", f"no request completed ({s.errors})"
+        point.status, point.reason = PointStatus.FAILED, f"no request completed ({s.errors})"
         return
-    point.status = "ok"
+    point.status = PointStatus.OK
     point.output_throughput, point.request_throughput = s.output_throughput, s.request_throughput
     point.ttft_p99, point.itl_p99 = s.ttft.p99, s.itl.p99
     point.goodput = s.goodput
@@ -320,7 +333,7 @@ async def _measure(
 
 def _best(points: Sequence[SweepPoint]) -> int | None:
     """The recommended point if any meets the SLO, else the one with the most goodput."""
-    measured = [i for i, p in enumerate(points) if p.status == "ok"]
+    measured = [i for i, p in enumerate(points) if p.status is PointStatus.OK]
     meeting = [i for i in measured if points[i].meets_slo]
     pool = meeting or measured
     if not pool:
@@ -337,7 +350,7 @@ def _conclude(result: SweepResult) -> None:
 
 
 def _describe(point: SweepPoint) -> str:
-    if point.status != "ok":
+    if point.status is not PointStatus.OK:
         return f"{point.status} ({point.reason})"
     return (f"{point.output_throughput:.1f} tok/s, TTFT p99 {ms_text(point.ttft_p99, 0)}, ITL p99 "
             f"{ms_text(point.itl_p99, 0)}, goodput {point.goodput or 0:.2f} req/s "

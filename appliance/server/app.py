@@ -24,7 +24,7 @@ from . import admin, openai_api, simulate
 from .access_log import DashboardPollingMarker, quiet_dashboard_polling
 from .errors import APIError, JSONResponse, ServerErrorCode
 from .openapi import build_openapi
-from .state import AppState, ServerConfig, TelemetrySink
+from .state import AppState, ServerConfig, ServerStatus, TelemetrySink
 
 log = logging.getLogger(__name__)
 
@@ -72,8 +72,8 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
 async def health(request: Request) -> JSONResponse:
     state: AppState = request.app.state.appliance
     if state.ready:
-        return JSONResponse({"status": "ok"})
-    status = state.status if state.status != "ok" else "engine_stopped"
+        return JSONResponse({"status": ServerStatus.OK})
+    status = state.status if state.status is not ServerStatus.OK else ServerStatus.ENGINE_STOPPED
     return JSONResponse({"status": status}, status_code=503)
 
 

@@ -14,6 +14,7 @@ import torch
 
 from ..engine import AsyncEngine, IterationStats, KnobChange, LLMEngine, RequestStats
 from ..engine.knobs import KnobSnapshot
+from ..records import StrEnum
 from .autopilot import Autopilot, loop_apply
 from .autopilot_policy import parse_spec
 from .errors import APIError, ServerErrorCode
@@ -39,6 +40,17 @@ class TelemetrySink(Protocol):
     def close(self, timeout: float = 5.0) -> bool: ...
 
 
+class ServerStatus(StrEnum):
+    """The server's lifecycle (LOADING -> OK -> DRAINING -> STOPPED), as /health and
+    /admin/state report it; ENGINE_STOPPED is /health's word for OK with the engine thread gone."""
+
+    LOADING = "loading"
+    OK = "ok"
+    DRAINING = "draining"
+    STOPPED = "stopped"
+    ENGINE_STOPPED = "engine_stopped"
+
+
 @dataclass
 class ServerConfig:
     served_model_name: str | None = None  # default: the engine's model name
@@ -61,7 +73,7 @@ class AppState:
         self.telemetry = telemetry
         self.model_name = config.served_model_name or self.engine.model_name
         self.requests = build_request_models(self.model_name, self.engine.max_model_len, self.engine.vocab_size)
-        self.status = "loading"  # -> "ok" -> "draining" -> "stopped"
+        self.status = ServerStatus.LOADING
         self.inflight = 0  # generation requests with a response still being written
         self.metrics = ServerMetrics(self._metrics_snapshot)
         self.engine.add_sink(self.metrics)
@@ -79,14 +91,14 @@ class AppState:
             self.telemetry.start()
         self.aeng.start()
         self.autopilot.start(loop_apply(self.aeng, asyncio.get_running_loop()))
-        self.status = "ok"
+        self.status = ServerStatus.OK
 
     async def drain(self, grace_s: float) -> int:
         """Refuse new requests, give in-flight ones `grace_s` to finish, abort the rest (their
         responses end with finish_reason "abort"), wait for responses to be written.
         Returns how many requests were aborted."""
-        if self.status == "ok":
-            self.status = "draining"
+        if self.status is ServerStatus.OK:
+            self.status = ServerStatus.DRAINING
         log.info("draining: %d request(s) in flight, %.1fs grace", self.aeng.num_unfinished, grace_s)
         aborted = await self.aeng.drain(grace_s)
         deadline = time.monotonic() + 5.0
@@ -96,7 +108,7 @@ class AppState:
         return aborted
 
     def close(self) -> None:
-        self.status = "stopped"
+        self.status = ServerStatus.STOPPED
         self.autopilot.stop()
         self.aeng.shutdown()
         if self.telemetry is not None:
@@ -105,7 +117,7 @@ class AppState:
 
     @property
     def ready(self) -> bool:
-        return self.status == "ok" and self.aeng.is_running
+        return self.status is ServerStatus.OK and self.aeng.is_running
 
     # -- checks -------------------------------------------------------------------------------
     def authorized(self, header: str | None) -> bool:
@@ -115,7 +127,7 @@ class AppState:
         return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self._key)
 
     def check_admitting(self) -> None:
-        if self.status == "draining" or not self.aeng.admitting:
+        if self.status is ServerStatus.DRAINING or not self.aeng.admitting:
             raise APIError(503, "the server is shutting down and accepts no new requests",
                            code=ServerErrorCode.DRAINING, headers={"Retry-After": "1"})
         if not self.ready:

@@ -12,7 +12,7 @@ import plotly.graph_objects as go
 
 from appliance.bench.report import page as h
 from appliance.bench.report.runs import md_table, normalize_format
-from appliance.bench.tune import TUNED, SweepResult
+from appliance.bench.tune import TUNED, PointStatus, SweepResult
 
 TITLE = "Tuning sweep"
 HEADERS = ["#", "Stage", *TUNED, "Status", "Output tok/s", "Req/s", "TTFT P99 (ms)", "ITL P99 (ms)",
@@ -21,8 +21,8 @@ HEADERS = ["#", "Stage", *TUNED, "Status", "Output tok/s", "Req/s", "TTFT P99 (m
 
 def summary_lines(result: SweepResult) -> list[str]:
     """The sweep's outcome in plain words."""
-    ok = sum(p.status == "ok" for p in result.points)
-    skipped = [p for p in result.points if p.status == "skipped"]
+    ok = sum(p.status is PointStatus.OK for p in result.points)
+    skipped = [p for p in result.points if p.status is PointStatus.SKIPPED]
     lines = [f"{len(result.points)} grid points: {ok} measured, {len(skipped)} skipped as invalid, "
              f"{len(result.points) - ok - len(skipped)} failed. SLO: {result.slo} for at least "
              f"{result.attainment:.0%} of the requests."]
@@ -77,7 +77,7 @@ def _rows(result: SweepResult) -> list[list[str]]:
                      cell(p.output_throughput), cell(p.request_throughput), cell(p.ttft_p99, 1000),
                      cell(p.itl_p99, 1000), cell(p.goodput),
                      "-" if p.attainment is None else f"{p.attainment:.0%}",
-                     "-" if p.status != "ok" else
+                     "-" if p.status is not PointStatus.OK else
                      ("yes" if p.meets_slo else "no") + (" (recommended)" if i == result.recommended else ""),
                      ", ".join(fronts) or "-", p.run_id or "-"])
     return rows
@@ -133,7 +133,7 @@ def pareto_figure(result: SweepResult, latency: str, front: list[int], label: st
     the points of `front` ringed and joined as the Pareto front, the recommendation starred
     (the report's charts and the dashboard's sweep chart)."""
     measured = [(i, p) for i, p in enumerate(result.points)
-                if p.status == "ok" and getattr(p, latency) is not None]
+                if p.status is PointStatus.OK and getattr(p, latency) is not None]
     fig = go.Figure()
     fig.add_trace(go.Scatter(
         x=[getattr(p, latency) * 1000 for _, p in measured], y=[p.output_throughput for _, p in measured],
