@@ -136,7 +136,7 @@ def test_live_refresh_charts_the_telemetry_and_marks_knob_changes(server, client
         return [a.get("text", "") for a in json.loads(plot["plot"])["layout"].get("annotations", [])]
 
     def refreshed():
-        out = client.predict("1m", False, api_name="/live_refresh")
+        out = client.predict("1m", False, "", api_name="/live_refresh")
         return out if any("max_num_seqs 64→32" in text for text in labels(out[1])) else None
 
     headline, *plots, effective = wait_for(refreshed)
@@ -428,7 +428,7 @@ def test_handlers_refuse_sessions_without_a_login_even_when_mounted_without_auth
     with run_app(app) as url:
         anonymous = Client(f"{url}/ui/", verbose=False)
         for api_name, args in (("/knobs_reload", ()), ("/knobs_apply", (8, 512, 256, 1, 1, "static")),
-                               ("/live_refresh", ("1m", False))):
+                               ("/live_refresh", ("1m", False, ""))):
             with pytest.raises(AppError, match="log in"):
                 anonymous.predict(*args, api_name=api_name)
     assert knobs(server)["knobs"]["scheduling_policy"] == "continuous"
@@ -454,7 +454,7 @@ def test_the_dashboards_polling_stays_out_of_the_access_log_at_info(server, clie
     logger.addHandler(capture)
     try:
         logger.setLevel(logging.INFO)
-        client.predict("1m", False, api_name="/live_refresh")
+        client.predict("1m", False, "", api_name="/live_refresh")
         dashboard = {"X-Appliance-Source": "dashboard"}
         httpx.get(f"{server.base_url}/admin/state", headers=dashboard)
         httpx.get(f"{server.base_url}/admin/knobs", headers=dashboard)

@@ -177,6 +177,29 @@ def filled_store(tmp_path):
     return url, now, summary
 
 
+def test_the_replica_selector_shows_one_replica_or_the_whole_fleet(filled_store):
+    """A second replica's rows in the same store (a fleet): the selector lists both, a replica's
+    view holds only its own iterations and knob changes, the fleet's view holds both."""
+    url, now, _ = filled_store
+    writer = TelemetryWriter(url, "r2", flush_interval_s=0.05).start()
+    for i in range(40):
+        writer.on_iteration(_iteration(i, now - 20 + i * 0.5, running=10))
+    writer.on_knob_change(KnobChange(1, 5, now - 12, {"max_num_seqs": 64}, {"max_num_seqs": 8}, "api"))
+    assert writer.flush()
+    writer.close()
+    engine = store.make_engine(url)
+    window = live_tab.resolve_window(engine, "1m", now=now)
+    assert live_tab.replica_choices(engine, window) == [live_tab.FLEET_CHOICE, ("replica r1", "r1"),
+                                                        ("replica r2", "r2")]
+    views = {replica: live_tab.fetch(engine, window, "1m", replica) for replica in ("r1", "r2", None)}
+    running = {replica: [p.mean for p in data.series["running"].points] for replica, data in views.items()}
+    assert running["r1"] and all(4 <= v <= 6 for v in running["r1"])
+    assert running["r2"] and all(v == 10 for v in running["r2"])
+    assert sum(p.count for p in views[None].series["running"].points) == 80  # both replicas' iterations
+    assert [c["new"] for c in views["r2"].changes] == [{"max_num_seqs": 8}]
+    assert len(views[None].changes) == 2
+
+
 def test_live_figures_show_the_stored_series_and_the_knob_change(filled_store):
     url, now, _ = filled_store
     engine = store.make_engine(url)
@@ -384,20 +407,20 @@ def test_sessions_refreshing_in_one_tick_share_one_build_and_new_telemetry_shows
 
     # eight sessions' timers fire in the same tick, at once: one API read, one query set, one build
     with ThreadPoolExecutor(8) as pool:
-        ticks = list(pool.map(lambda _: tab.tick("1m", False, None, None), range(8)))
+        ticks = list(pool.map(lambda _: tab.tick("1m", False, None, "", None), range(8)))
     assert calls == {"fetch": 1, "figure_specs": 1} and api.calls == 1 and tab.cache.builds == 1
     assert all(t[:n] == ticks[0][:n] for t in ticks)
     assert all(not isinstance(out, dict) for out in ticks[0][:n])  # a new session gets everything
     running = json.loads(ticks[0][1].plot)
     assert max(y for y in running["data"][1]["y"] if y is not None) == 6  # running (max) as written
-    assert tab.refresh("1m", False, None)[:n] == ticks[0][:n]  # the API endpoint shares it too
+    assert tab.refresh("1m", False, "", None)[:n] == ticks[0][:n]  # the API endpoint shares it too
     seen = ticks[0][n]
 
     # the same session in the same tick: nothing changed, nothing sent, and its timer slows down
-    again = tab.tick("1m", False, seen, None)
+    again = tab.tick("1m", False, seen, "", None)
     assert again[:n] == [gr.skip()] * n and calls["fetch"] == 1
     assert isinstance(again[n + 1], gr.Timer) and again[n + 1].value == 2 * live_tab.REFRESH_S
-    idle = tab.tick("1m", False, again[n], None)
+    idle = tab.tick("1m", False, again[n], "", None)
     assert idle[n + 1].value == live_tab.IDLE_REFRESH_S
 
     # an iteration arrives: the next tick is built once more, shows it, and the timer is back to 1 s
@@ -406,12 +429,12 @@ def test_sessions_refreshing_in_one_tick_share_one_build_and_new_telemetry_shows
     assert writer.flush()
     writer.close()
     clock[0] = now + live_tab.REFRESH_S
-    later = tab.tick("1m", False, idle[n], None)
+    later = tab.tick("1m", False, idle[n], "", None)
     assert calls == {"fetch": 2, "figure_specs": 2} and api.calls == 2
     running = json.loads(later[1].plot)
     assert running["data"][1]["y"][-1] == 9
     assert later[n - 1] == gr.skip()  # the knobs in force did not change: not sent again
     assert isinstance(later[n + 1], gr.Timer) and later[n + 1].value == live_tab.REFRESH_S
     # a paused view sends nothing and builds nothing
-    assert tab.tick("1m", True, later[n], None)[:n] == [gr.skip()] * n and tab.cache.builds == 2
+    assert tab.tick("1m", True, later[n], "", None)[:n] == [gr.skip()] * n and tab.cache.builds == 2
     engine.dispose()

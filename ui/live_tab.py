@@ -41,6 +41,7 @@ IDLE_REFRESH_S = 4.0  # the slowest a session's refresh gets while nothing chang
 WINDOWS = {"1m": 60.0, "5m": 300.0, "1h": 3600.0}
 WINDOW_CHOICES = [("1 min", "1m"), ("5 min", "5m"), ("1 h", "1h")]
 RUN_PREFIX = "run:"
+FLEET_CHOICE = ("fleet (all replicas)", "")  # the replica selector's "every replica together"
 SERIES_POINTS = {"1m": 120, "5m": 300, "1h": 360}
 RUN_POINTS = 300
 LATENCY_POINTS = 30
@@ -134,21 +135,28 @@ def window_choices(db: Any, limit: int = 20) -> list[tuple[str, str]]:
     return WINDOW_CHOICES + [(f"run: {r['name']} ({r['id'][:8]})", RUN_PREFIX + r["id"]) for r in recent]
 
 
-def fetch(db: Any, window: Window, choice: str) -> LiveData:
+def replica_choices(db: Any, window: Window) -> list[tuple[str, str]]:
+    """The fleet as a whole, then each replica that ran iterations in the window."""
+    return [FLEET_CHOICE] + [(f"replica {r}", r) for r in queries.replicas(db, window.since, window.until)]
+
+
+def fetch(db: Any, window: Window, choice: str, replica: str | None = None) -> LiveData:
     """Every series of the Live charts over `window`: the iteration columns in ONE downsampled
-    query, the latency percentiles (LATENCY_POINTS buckets) and the knob changes."""
+    query, the latency percentiles (LATENCY_POINTS buckets) and the knob changes; of one replica
+    when `replica` names one, of every replica together otherwise."""
     points = RUN_POINTS if window.run_id else SERIES_POINTS.get(choice, 300)
-    series = queries.iteration_series_many(db, SERIES, window.since, window.until, points=points)
+    series = queries.iteration_series_many(db, SERIES, window.since, window.until, replica_id=replica,
+                                           points=points)
     # latency buckets on a grid of their own width, so they stay put as a window slides
     width = (window.until - window.since) / LATENCY_POINTS
     since = window.since if window.run_id else math.floor(window.since / width) * width
     latency = {
         metric: queries.latency_series(db, metric, since, since + width * (LATENCY_POINTS + 1), run_id=window.run_id,
-                                       points=LATENCY_POINTS + 1)
+                                       replica_id=replica, points=LATENCY_POINTS + 1)
         for metric in ("ttft", "itl")
     }
-    changes = queries.knob_timeline(db, window.since, window.until)
-    held = queries.held_time(db, window.since, window.until, points=HELD_POINTS)
+    changes = queries.knob_timeline(db, window.since, window.until, replica_id=replica)
+    held = queries.held_time(db, window.since, window.until, replica_id=replica, points=HELD_POINTS)
     return LiveData(window, series, latency["ttft"], latency["itl"], changes, held)
 
 
@@ -366,35 +374,38 @@ class Snapshot:
         return (self.headline, *[None if p is None else p.plot for p in self.plots], self.effective)
 
 
-class LiveCache:
-    """One computation per window choice and tick, however many sessions refresh.
+View = tuple[str, str]  # (window choice, replica id or "" for the fleet)
 
-    `get(choice)` returns the snapshot of the current tick (floor(now / tick_s)); the first
+
+class LiveCache:
+    """One computation per view (window choice and replica) and tick, however many sessions refresh.
+
+    `get(view)` returns the snapshot of the current tick (floor(now / tick_s)); the first
     session to ask in a tick builds it (the telemetry queries, the figures serialised once, the
     state and knobs read from the API) while the others wait for it and share it. `builds`
     counts the snapshots built."""
 
-    def __init__(self, build: Callable[[str, float], Snapshot], tick_s: float = REFRESH_S,
+    def __init__(self, build: Callable[[View, float], Snapshot], tick_s: float = REFRESH_S,
                  clock: Callable[[], float] = time.time, keep: int = 8):
         self._build = build
         self._tick_s = tick_s
         self._clock = clock
         self._keep = keep
         self._lock = threading.Lock()
-        self._snapshots: dict[str, tuple[int, Snapshot]] = {}  # choice: (tick, snapshot), oldest first
+        self._snapshots: dict[View, tuple[int, Snapshot]] = {}  # view: (tick, snapshot), oldest first
         self.builds = 0
 
-    def get(self, choice: str) -> Snapshot:
+    def get(self, view: View) -> Snapshot:
         with self._lock:
             now = self._clock()
             tick = math.floor(now / self._tick_s)
-            cached = self._snapshots.get(choice)
+            cached = self._snapshots.get(view)
             if cached is not None and cached[0] == tick:
                 return cached[1]
-            snapshot = self._build(choice, now)
+            snapshot = self._build(view, now)
             self.builds += 1
-            self._snapshots.pop(choice, None)
-            self._snapshots[choice] = (tick, snapshot)
+            self._snapshots.pop(view, None)
+            self._snapshots[view] = (tick, snapshot)
             while len(self._snapshots) > self._keep:
                 self._snapshots.pop(next(iter(self._snapshots)))
             return snapshot
@@ -418,6 +429,8 @@ class LiveTab:
         with gr.Row():
             self.window = gr.Dropdown(WINDOW_CHOICES, value="1m", label="Window", elem_id="live-window",
                                       scale=1)
+            self.replica = gr.Dropdown([FLEET_CHOICE], value="", label="Replica", elem_id="live-replica", scale=1,
+                                       info="a fleet's replicas (appliance serve --replicas N)")
             self.paused = gr.Checkbox(False, label="Pause updates", elem_id="live-pause", scale=0)
         self.headline = gr.HTML("", elem_id="live-headline")
         self.plots = []
@@ -436,10 +449,14 @@ class LiveTab:
         last tick and stretches its own interval while nothing changes; `live_refresh` (a window
         change, and the API) sends everything."""
         outputs = [self.headline, *self.plots, effective]
-        self.timer.tick(self.tick, [self.window, self.paused, self.seen], [*outputs, self.seen, self.timer],
-                        api_name="live_tick", show_progress="hidden", concurrency_limit=4,
-                        trigger_mode="always_last")
-        self.window.change(self.refresh, [self.window, self.paused], outputs, api_name="live_refresh",
+        self.timer.tick(self.tick, [self.window, self.paused, self.seen, self.replica],
+                        [*outputs, self.seen, self.timer], api_name="live_tick", show_progress="hidden",
+                        concurrency_limit=4, trigger_mode="always_last")
+        self.window.change(self.refresh, [self.window, self.paused, self.replica], outputs, api_name="live_refresh",
+                           show_progress="hidden")
+        self.replica.change(self.refresh, [self.window, self.paused, self.replica], outputs,
+                            api_name="live_replica", show_progress="hidden")
+        self.replica.focus(self.replicas, [self.window, self.replica], self.replica, api_name="live_replicas",
                            show_progress="hidden")
 
     def scope(self, choice: str | None) -> Scope:
@@ -447,8 +464,19 @@ class LiveTab:
         window = resolve_window(self.db, choice, self.clock())
         return window.since, window.until, window.run_id
 
-    def snapshot(self, choice: str, now: float) -> Snapshot:
-        """Build the outputs of `choice` at `now` (LiveCache calls this once per tick)."""
+    def replicas(self, choice: str | None, replica: str | None, request: gr.Request) -> Any:
+        """The replica selector's choices over the window (read when the operator opens it)."""
+        self.ctx.check(request)
+        try:
+            options = replica_choices(self.db, resolve_window(self.db, choice, self.clock()))
+        except SQLAlchemyError:
+            return gr.skip()
+        known = {value for _, value in options}
+        return gr.update(choices=options, value=replica if replica in known else "")
+
+    def snapshot(self, view: View, now: float) -> Snapshot:
+        """Build the outputs of `view` at `now` (LiveCache calls this once per tick)."""
+        choice, replica = view
         state = knobs = None
         error = None
         try:
@@ -460,8 +488,9 @@ class LiveTab:
             (knobs or {}).get("version"),)
         try:
             window = resolve_window(self.db, choice, now)
-            data = fetch(self.db, window, choice)
-            recent = queries.iteration_series(self.db, "decode_tokens", now - RATE_WINDOW_S, now, points=1)
+            data = fetch(self.db, window, choice, replica or None)
+            recent = queries.iteration_series(self.db, "decode_tokens", now - RATE_WINDOW_S, now,
+                                              replica_id=replica or None, points=1)
         except SQLAlchemyError as exc:
             error = f"telemetry store unavailable: {type(exc).__name__}: {str(exc).splitlines()[0]}"
             return Snapshot(headline_html(state, knobs, 0.0, 0, error), (None,) * len(CHART_IDS), effective,
@@ -476,14 +505,15 @@ class LiveTab:
         return Snapshot(headline_html(state, knobs, tokens_per_s, preemptions, error, reading), plots, effective,
                         activity)
 
-    def refresh(self, choice: str, paused: bool, request: gr.Request) -> list[Any]:
+    def refresh(self, choice: str, paused: bool, replica: str | None, request: gr.Request) -> list[Any]:
         """Headline HTML, the charts and the knobs in force (all of them)."""
         self.ctx.check(request)
         if paused:
             return [gr.update()] * (len(CHART_IDS) + 2)
-        return self.cache.get(choice or "1m").outputs()
+        return self.cache.get((choice or "1m", replica or "")).outputs()
 
-    def tick(self, choice: str, paused: bool, seen: dict[str, Any] | None, request: gr.Request) -> list[Any]:
+    def tick(self, choice: str, paused: bool, seen: dict[str, Any] | None, replica: str | None,
+             request: gr.Request) -> list[Any]:
         """A timer tick: the outputs that changed since this session's last tick (gr.skip() for
         the others), its new state, and its timer's new interval when that changes."""
         self.ctx.check(request)
@@ -491,16 +521,16 @@ class LiveTab:
         interval = seen.get("interval", REFRESH_S)
         if paused:
             return [*[gr.skip()] * (len(CHART_IDS) + 2), seen, gr.skip()]
-        choice = choice or "1m"
-        snapshot = self.cache.get(choice)
+        view = (choice or "1m", replica or "")
+        snapshot = self.cache.get(view)
         digests = snapshot.digests()
-        shown = seen.get("digests") if seen.get("choice") == choice else None
+        shown = seen.get("digests") if seen.get("view") == view else None
         outputs = snapshot.outputs()
         if shown is not None:
             outputs = [gr.skip() if new == old else out for out, new, old in zip(outputs, digests, shown)]
-        changed = seen.get("choice") != choice or seen.get("activity") != snapshot.activity
+        changed = seen.get("view") != view or seen.get("activity") != snapshot.activity
         new_interval = next_interval(interval, changed)
-        state = {"choice": choice, "digests": digests, "activity": snapshot.activity, "interval": new_interval}
+        state = {"view": view, "digests": digests, "activity": snapshot.activity, "interval": new_interval}
         timer = gr.Timer(value=new_interval) if new_interval != interval else gr.skip()
         return [*outputs, state, timer]
 

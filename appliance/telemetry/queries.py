@@ -237,6 +237,15 @@ def held_time(
     return HeldTime(since, until, width, [(since + b * width, v) for b, v in sorted(merged.items())], totals)
 
 
+def replicas(target: Engine | str, since: float, until: float) -> list[str]:
+    """The replica ids with iterations in [since, until), sorted (a fleet's members; one id on one box)."""
+    it = Iteration.__table__
+    query = (select(it.c.replica_id).where(it.c.started_at >= since, it.c.started_at < until)
+             .group_by(it.c.replica_id).order_by(it.c.replica_id))
+    with using_engine(target) as engine, engine.connect() as conn:
+        return [row[0] for row in conn.execute(query)]
+
+
 def latest(target: Engine | str, replica_id: str | None = None) -> dict[str, Any]:
     """The newest iteration row (or None) and row counts, for the dashboard's header."""
     it, req, kc = Iteration.__table__, Request.__table__, KnobChangeRow.__table__
