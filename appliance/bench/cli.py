@@ -17,7 +17,7 @@ import os
 import signal
 import sys
 import time
-from typing import Any, TextIO
+from typing import Any, Callable, TextIO
 
 from appliance.bench.loadgen import DEFAULT_BASE_URL, BenchError, LoadGenerator, Progress
 from appliance.bench.metrics import SLO, Distribution, Summary, parse_slo
@@ -118,8 +118,8 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--turn-output-len", type=_positive_int, default=64,
                         help="multi-turn: tokens forced in each answer (default 64)")
     parser.add_argument("--model", default=None,
-                        help="local model whose tokenizer counts (sharegpt) or decodes (sampled "
-                             "skewed, long-prompt-burst) tokens (default: embedded SmolLM2)")
+                        help="local model whose tokenizer counts (sharegpt), cuts (multi-turn) or decodes "
+                             "(sampled skewed, long-prompt-burst, shared-prefix) tokens (default: embedded SmolLM2)")
 
 
 def workload_args(**given: Any) -> argparse.Namespace:
@@ -168,17 +168,21 @@ def build_workload(args: argparse.Namespace) -> tuple[list[ClosedLoop], str]:
 
 
 def _multi_turn(args: argparse.Namespace) -> tuple[list[ClosedLoop], str]:
-    tokenizer = _tokenizer(args)
-    limit = args.max_turn_tokens
+    n, limit = args.conversations or DEFAULT_CONVERSATIONS, args.max_turn_tokens
+    conversations = multi_turn(n, args.seed, token_cut(_tokenizer(args), limit), max_turns=args.max_turns,
+                               output_len=args.turn_output_len)
+    return list(conversations), (f"multi-turn conversations={n} max_turns={args.max_turns} "
+                                 f"turn_tokens={limit} output_len={args.turn_output_len} seed={args.seed}")
+
+
+def token_cut(tokenizer: Any, limit: int) -> Callable[[str], str]:
+    """Shortens a text to its first `limit` tokens (a shorter text is kept as it is)."""
 
     def cut(text: str) -> str:
         ids = tokenizer.encode(text, add_special_tokens=False)
         return text if len(ids) <= limit else tokenizer.decode(ids[:limit])
 
-    n = args.conversations or DEFAULT_CONVERSATIONS
-    conversations = multi_turn(n, args.seed, cut, max_turns=args.max_turns, output_len=args.turn_output_len)
-    return list(conversations), (f"multi-turn conversations={n} max_turns={args.max_turns} "
-                                 f"turn_tokens={limit} output_len={args.turn_output_len} seed={args.seed}")
+    return cut
 
 
 def _tokenizer(args: argparse.Namespace) -> Any:
