@@ -300,10 +300,9 @@ class LoadGenerator:
             if not dispatch.done():
                 dispatch.cancel()
             await asyncio.gather(dispatch, stop_wait, return_exceptions=True)
-        if dispatch in done:
-            dispatch.result()  # re-raise a failure inside the run (e.g. a progress callback's)
-            if dispatch.result():
-                return None
+        # result() re-raises a failure inside the run (e.g. a progress callback's)
+        if dispatch in done and dispatch.result():
+            return None
         return "cancelled" if self._stop.is_set() else "duration"
 
     async def _dispatch(

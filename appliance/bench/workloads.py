@@ -59,7 +59,7 @@ class BenchRequest:
         elif self.prompt is None and self.prompt_ids is None:
             raise ValueError("a request needs prompt text, prompt_ids or messages")
 
-    max_requests = 1
+    max_requests = 1  # as a closed loop: this request alone
 
     def first_request(self) -> BenchRequest:
         return self
