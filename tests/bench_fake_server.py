@@ -3,6 +3,10 @@
 Only for the load generator's parsing, arrival, timing and cancel logic: it streams made-up
 tokens. The client against the real appliance server is tested elsewhere.
 
+/v1/chat/completions streams the same way, in chat chunks (a role chunk first); its "prompt" is
+the last message's content and its text pieces name the request (" chatcmpl-<n>:<i>"), so a test
+can tell whose answer a later turn carries.
+
 Behaviour is chosen per request by the prompt text: "http400" / "http429" / "http500" reply with
 that error, "drop" streams two chunks then ends without [DONE], "error-event" sends an error
 event mid-stream, "abort" finishes with finish_reason "abort", "hang" streams nothing for a long
@@ -76,6 +80,12 @@ def build_app(state: FakeState) -> Starlette:
         return JSONResponse({"data": state.history})
 
     async def completions(request: Request):
+        return await generate(request, chat=False)
+
+    async def chat_completions(request: Request):
+        return await generate(request, chat=True)
+
+    async def generate(request: Request, chat: bool):
         if not authorized(request):
             return _error(401, "bad key")
         body = await request.json()
@@ -85,18 +95,24 @@ def build_app(state: FakeState) -> Starlette:
             state.history.append({"version": len(state.history) + 1, "iteration": 0,
                                   "applied_at": time.time(), "old": {"max_num_seqs": 8},
                                   "new": {"max_num_seqs": 4}, "source": "admin"})
-        prompt = body["prompt"]
+        prompt = body["messages"][-1]["content"] if chat else body["prompt"]
         for code in (400, 429, 500):
             if prompt == f"http{code}":
                 return _error(code, f"made-up {code}")
         n = body.get("max_tokens", 16)
-        rid = f"cmpl-{len(state.bodies)}"
-        prompt_tokens = len(prompt) if isinstance(prompt, list) else len(prompt.split())
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{len(state.bodies)}"
+        if chat:
+            prompt_tokens = sum(len(m["content"].split()) for m in body["messages"])
+        else:
+            prompt_tokens = len(prompt) if isinstance(prompt, list) else len(prompt.split())
 
         def chunk(text: str, reason: str | None = None) -> str:
-            return "data: " + json.dumps({"id": rid, "object": "text_completion", "model": "fake-model",
-                                          "choices": [{"index": 0, "text": text,
-                                                       "finish_reason": reason}]}) + "\n\n"
+            if chat:
+                choice = {"index": 0, "delta": {"content": text}, "finish_reason": reason}
+            else:
+                choice = {"index": 0, "text": text, "finish_reason": reason}
+            return "data: " + json.dumps({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                                          "model": "fake-model", "choices": [choice]}) + "\n\n"
 
         async def stream():
             state.in_flight += 1
@@ -106,6 +122,9 @@ def build_app(state: FakeState) -> Starlette:
                     await asyncio.sleep(60)
                 await asyncio.sleep(state.first_token_delay)
                 yield ": keep-alive comment\n\n"
+                if chat:
+                    yield "data: " + json.dumps({"id": rid, "object": "chat.completion.chunk", "choices": [
+                        {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}) + "\n\n"
                 for i in range(n):
                     if i:
                         await asyncio.sleep(state.token_delay)
@@ -116,7 +135,7 @@ def build_app(state: FakeState) -> Starlette:
                         return
                     last = i == n - 1
                     reason = ("abort" if prompt == "abort" else "length") if last else None
-                    yield chunk(f" t{i}", reason)
+                    yield chunk(f" {rid}:{i}" if chat else f" t{i}", reason)
                 if state.usage:
                     yield "data: " + json.dumps({
                         "id": rid, "object": "text_completion", "choices": [],
@@ -134,6 +153,7 @@ def build_app(state: FakeState) -> Starlette:
     return Starlette(routes=[
         Route("/v1/models", models),
         Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/admin/knobs", knobs),
         Route("/admin/knobs/history", knob_history),
         Route("/admin/state", admin_state),

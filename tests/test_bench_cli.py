@@ -197,3 +197,31 @@ def test_tokenizer_workloads_end_to_end(fake, db, capsys):
     report = json.loads(capsys.readouterr().out)
     assert report["arrival"]["mode"] == "workload"
     assert sorted(len(b["prompt"]) for b in state.bodies)[-1] == 300  # the long one, as ids
+
+
+def test_multi_turn_workload_end_to_end(fake, db, capsys):
+    url, state = fake
+    code = bench_main(parse("--base-url", url, "--db", db, "--json", "--workload", "multi-turn",
+                            "--conversations", "2", "--max-turns", "2", "--max-turn-tokens", "12",
+                            "--turn-output-len", "3", "--rate", "50", "--seed", "5"))
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0
+    assert report["workload"] == "multi-turn conversations=2 max_turns=2 turn_tokens=12 output_len=3 seed=5"
+    assert report["arrival"]["mode"] == "poisson"  # the conversations' starts
+    assert report["summary"]["num_requests"] == report["summary"]["completed"] == 4  # 2 x 2 turns
+    stored = runs.get_run(db, report["run_id"], with_requests=True)
+    assert stored["status"] == "completed" and [r["index"] for r in stored["requests"]] == [0, 1, 2, 3]
+    assert all(b["max_tokens"] == 3 and b["messages"][-1]["role"] == "user" for b in state.bodies)
+    assert sorted(len(b["messages"]) for b in state.bodies) == [1, 1, 3, 3]
+
+
+def test_multi_turn_option_errors_name_the_value(db, capsys):
+    for flag in ("--max-turns", "--conversations", "--max-turn-tokens", "--turn-output-len"):
+        with pytest.raises(SystemExit):
+            parse("--workload", "multi-turn", flag, "0")
+        err = capsys.readouterr().err
+        assert f"argument {flag}: must be a positive integer, got 0" in err
+    assert bench_main(parse("--workload", "multi-turn", "-n", "5")) == 2
+    assert "--num-requests 5: multi-turn sends every turn of --conversations" in capsys.readouterr().err
+    assert bench_main(parse("--workload", "skewed", "--conversations", "3")) == 2
+    assert "--conversations 3 is only used with --workload multi-turn" in capsys.readouterr().err

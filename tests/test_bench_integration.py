@@ -1,5 +1,6 @@
 """The load generator against the REAL appliance server: every workload and arrival mode runs,
-is stored, and agrees with the server's own `requests` rows (joined by run id and request id)."""
+is stored, and agrees with the server's own `requests` rows (joined by run id and request id);
+multi-turn conversations carry the model's answers and hit the prefix cache (not with it off)."""
 
 from __future__ import annotations
 
@@ -7,13 +8,14 @@ import asyncio
 import dataclasses
 import json
 
+import httpx
 import pytest
 from sqlalchemy import select
 
 from appliance.bench.loadgen import LoadGenerator
 from appliance.bench.metrics import percentile
 from appliance.bench.runner import run_benchmark
-from appliance.bench.workloads import jsonl, long_prompt_burst, sharegpt, skewed
+from appliance.bench.workloads import jsonl, long_prompt_burst, multi_turn, sharegpt, skewed
 from appliance.telemetry import queries, runs
 from appliance.telemetry.models import Request
 from appliance.telemetry.store import using_engine
@@ -112,3 +114,58 @@ def test_run_agrees_with_server_rows(server, loaded_model, tmp_path, kind, arriv
     itl = [gap for r in client for gap in r["itl_s"]]
     assert summary["itl"]["count"] == len(itl) == sum(r["output_tokens"] - 1 for r in client)
     assert summary["itl"]["p99"] == pytest.approx(percentile(itl, 99), abs=1e-9)
+
+
+def run_conversations(server, loaded_model, caching: bool):
+    """3 ShareGPT conversations x 3 turns (short turns, 4-token answers), caching on or off."""
+    tok = loaded_model.tokenizer
+    cut = lambda text: tok.decode(tok.encode(text, add_special_tokens=False)[:24])  # noqa: E731
+    convs = multi_turn(3, 7, cut, max_turns=3, output_len=4)
+    with httpx.Client(base_url=server.base_url, timeout=30) as http:
+        assert http.patch("/admin/knobs", json={"enable_prefix_caching": caching}).status_code == 200
+        try:
+            run = asyncio.run(run_benchmark(LoadGenerator(convs, base_url=server.base_url, concurrency=2),
+                                            workload="multi-turn", db_url=server.db))
+        finally:
+            assert http.patch("/admin/knobs", json={"enable_prefix_caching": True}).status_code == 200
+    assert run.storage_error is None and run.status == "completed"
+    assert server.writer.flush(10)
+    return convs, run
+
+
+def server_rows(server, run_id):
+    with using_engine(server.db) as engine, engine.connect() as conn:
+        req = Request.__table__
+        return {r.request_id: r for r in conn.execute(select(req).where(req.c.run_id == run_id))}
+
+
+def test_multi_turn_conversations_carry_the_answers_and_hit_the_prefix_cache(server, loaded_model):
+    convs, run = run_conversations(server, loaded_model, caching=True)
+    load = run.load
+    assert sum(c.max_requests for c in convs) == 9 == load.summary.num_requests == load.summary.completed
+    stored = runs.get_run(server.db, run.run_id, with_requests=True)
+    rows = server_rows(server, run.run_id)
+    assert len(stored["requests"]) == len(rows) == 9 and all(r["ok"] for r in stored["requests"])
+    assert {r["request_id"] for r in stored["requests"]} == set(rows)
+    block_size = server.state.engine.block_manager.block_size
+    for i, (result, sent) in enumerate(zip(load.results, load.requests)):
+        turn = len(sent.messages) // 2
+        srv = rows[result.server_request_id]
+        assert srv.source == "loadtest" and srv.output_tokens == result.output_tokens == 4
+        assert srv.cached_tokens == result.cached_tokens and result.text.strip()
+        if turn:  # the history sent is the previous turn's, with its answer as the server returned it
+            before, prev = load.results[i - 1], load.requests[i - 1]
+            assert sent.messages[:-1] == (*prev.messages, {"role": "assistant", "content": before.text})
+            # every full block of the previous prompt is served from the cache
+            assert result.cached_tokens >= before.prompt_tokens // block_size * block_size > 0
+            assert result.prompt_tokens > before.prompt_tokens + before.output_tokens
+    assert stored["summary"]["summary"]["prefix_cache_hit_rate"] == pytest.approx(
+        sum(r.cached_tokens for r in load.results) / sum(r.prompt_tokens for r in load.results))
+
+
+def test_multi_turn_with_caching_off_serves_nothing_from_the_cache(server, loaded_model):
+    _, run = run_conversations(server, loaded_model, caching=False)
+    assert run.load.summary.completed == 9
+    assert [r.cached_tokens for r in run.load.results] == [0] * 9
+    assert all(row.cached_tokens == 0 for row in server_rows(server, run.run_id).values())
+    assert run.load.summary.prefix_cache_hit_rate == 0

@@ -22,7 +22,7 @@ from appliance.bench.loadgen import (
     normalize_base_url,
 )
 from appliance.bench.metrics import parse_slo
-from appliance.bench.workloads import BenchRequest, long_prompt_burst
+from appliance.bench.workloads import BenchRequest, Conversation, long_prompt_burst
 from bench_fake_server import FakeState, serve
 
 
@@ -258,3 +258,58 @@ def test_progress_callback_sees_every_request(fake):
     last = seen[-1]
     assert last.ok == 5 and last.failed == 0 and last.in_flight == 0
     assert last.output_tokens == 10 and last.output_throughput > 0
+
+
+# ------------------------------------------------------------------------- closed loops (chat)
+
+
+def test_conversations_are_closed_loops_carrying_each_answer_as_returned(fake):
+    url, state = fake
+    convs = [Conversation(("a1", "a2", "a3"), 3), Conversation(("b1", "b2"), 2), Conversation(("c1",), 4)]
+    gen = LoadGenerator(convs, base_url=url)
+    out = run(gen)
+    s = out.summary
+    assert out.stopped is None and s.num_requests == s.completed == len(out.results) == 6 and s.not_sent == 0
+    assert [r.index for r in out.results] == list(range(6))  # a conversation's turns are consecutive
+    assert gen.arrival["mode"] == "all-at-once"
+    assert all("messages" in b and "prompt" not in b and b["appliance_run_id"] == "run-1" for b in state.bodies)
+    turns = {0: (0, 1, 2), 1: (3, 4), 2: (5,)}
+    for k, indexes in turns.items():
+        for n, i in enumerate(indexes):
+            result, sent = out.results[i], out.requests[i]
+            # the reply as the server streamed it (the role chunk is no token)
+            assert result.text == "".join(f" {result.server_request_id}:{j}" for j in range(convs[k].output_len))
+            assert len(result.itl) == result.output_tokens - 1
+            assert sent.messages[-1] == {"role": "user", "content": convs[k].user_turns[n]}
+            if n:  # the previous turn's history, its answer as returned, then the next user turn
+                before = out.results[i - 1]
+                assert sent.messages[:-1] == (*out.requests[i - 1].messages,
+                                              {"role": "assistant", "content": before.text})
+    # the server got each later turn only with the earlier answer in it
+    for body in state.bodies:
+        answers = [m["content"] for m in body["messages"] if m["role"] == "assistant"]
+        assert len(answers) == len(body["messages"]) // 2
+
+
+def test_a_failed_turn_ends_its_conversation_and_the_rest_is_not_sent(fake):
+    url, state = fake
+    convs = [Conversation(("hi", "http500", "never sent"), 2), Conversation(("x", "y"), 2)]
+    out = run(LoadGenerator(convs, base_url=url))
+    s = out.summary
+    assert out.stopped is None
+    assert (s.num_requests, s.sent, s.completed, s.failed, s.not_sent) == (5, 4, 3, 1, 1)
+    assert s.errors == {"http_5xx": 1}
+    assert [r.index for r in out.results] == [0, 1, 3, 4]
+    assert not any(m["content"] == "never sent" for b in state.bodies for m in b["messages"])
+
+
+def test_concurrency_counts_conversations_in_flight(fake):
+    url, state = fake
+    state.token_delay = 0.005
+    convs = [Conversation((f"q{k}-1", f"q{k}-2", f"q{k}-3"), 3) for k in range(5)]
+    gen = LoadGenerator(convs, base_url=url, concurrency=2)
+    seen: list[Progress] = []
+    gen.progress = seen.append
+    out = run(gen)
+    assert out.summary.completed == 15 and state.max_in_flight <= 2
+    assert seen[0].total == 15 and seen[-1].done == 15

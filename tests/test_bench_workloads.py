@@ -12,8 +12,10 @@ import pytest
 from appliance.bench import workloads
 from appliance.bench.workloads import (
     BenchRequest,
+    Conversation,
     jsonl,
     long_prompt_burst,
+    multi_turn,
     shared_prefix,
     sharegpt,
     sharegpt_conversations,
@@ -228,3 +230,63 @@ def test_sharegpt_conversations_have_at_least_three_exchanges():
     assert len(convs) > 1000
     assert all(len(c) >= 3 and all(isinstance(h, str) and isinstance(g, str) for h, g in c) for c in convs)
     assert len(sharegpt_conversations(5)) < len(convs)
+
+
+# -------------------------------------------------------------------------------- multi-turn
+
+
+def test_a_request_is_a_closed_loop_of_one():
+    r = BenchRequest("hi", None, 3)
+    assert r.max_requests == 1 and r.first_request() is r and r.next_request(r, "an answer") is None
+    chat = BenchRequest(None, None, 3, messages=({"role": "user", "content": "hi"},))
+    assert chat.prompt is None and chat.messages[0]["content"] == "hi"
+    with pytest.raises(ValueError, match="no prompt"):
+        BenchRequest("hi", None, 3, messages=({"role": "user", "content": "hi"},))
+    with pytest.raises(ValueError, match="messages"):
+        BenchRequest(None, None, 3)
+
+
+def test_conversation_turns_carry_the_whole_history_with_the_answers_given():
+    conv = Conversation(("first?", "second?", "third?"), 5)
+    assert conv.max_requests == 3
+    t0 = conv.first_request()
+    assert t0.messages == ({"role": "user", "content": "first?"},) and t0.output_len == 5 and t0.prompt is None
+    t1 = conv.next_request(t0, "answer one")
+    assert t1.messages == ({"role": "user", "content": "first?"}, {"role": "assistant", "content": "answer one"},
+                           {"role": "user", "content": "second?"})
+    t2 = conv.next_request(t1, "answer two")
+    assert t2.messages[:3] == t1.messages and t2.messages[3:] == (
+        {"role": "assistant", "content": "answer two"}, {"role": "user", "content": "third?"})
+    assert conv.next_request(t2, "answer three") is None
+    assert t1.messages[:1] == t0.messages and len(t0.messages) == 1  # earlier turns are not changed
+    with pytest.raises(ValueError, match="non-empty user turn"):
+        Conversation((), 5)
+    with pytest.raises(ValueError, match="non-empty user turn"):
+        Conversation(("fine", "  "), 5)
+
+
+def test_multi_turn_picks_sharegpt_conversations_by_seed_and_cuts_them():
+    cut = lambda text: " ".join(text.split()[:6])  # noqa: E731
+    convs = multi_turn(5, 2, cut, max_turns=3, output_len=7)
+    assert len(convs) == 5 and convs == multi_turn(5, 2, cut, max_turns=3, output_len=7)
+    assert convs != multi_turn(5, 3, cut, max_turns=3, output_len=7)
+    source = {tuple(cut(h) for h, _ in c[:3]) for c in sharegpt_conversations(3)}
+    for conv in convs:
+        assert conv.max_requests == 3 and conv.output_len == 7  # every source has >= 3 exchanges
+        assert conv.user_turns in source
+        assert all(0 < len(t.split()) <= 6 for t in conv.user_turns)
+    longer = multi_turn(5, 2, cut, max_turns=50, output_len=7)
+    assert all(3 <= c.max_requests <= 50 for c in longer) and any(c.max_requests > 3 for c in longer)
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    ({"max_turns": 0}, "max_turns must be a positive integer, got 0"),
+    ({"output_len": -2}, "output_len must be a positive integer, got -2"),
+])
+def test_multi_turn_errors_name_the_value(kwargs, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        multi_turn(2, 0, str, **kwargs)
+    with pytest.raises(ValueError, match="got 0"):
+        multi_turn(0, 0, str)
+    with pytest.raises(ValueError, match="usable turns; asked for 3"):
+        multi_turn(3, 0, lambda text: "")

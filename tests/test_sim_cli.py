@@ -179,3 +179,14 @@ def test_a_workload_the_engine_cannot_take_is_an_error(recorded, capsys, tmp_pat
     before = stored_models(db)
     status, out, err = simulate(capsys, "--run", run_id, "--db", db, "--workload", "jsonl", "--file", str(path))
     assert status == 2 and message in err and stored_models(db) == before
+
+
+def test_closed_loop_workloads_are_not_offered_to_the_simulator(capsys):
+    from appliance.bench.workloads import Conversation
+    from appliance.sim import whatif
+
+    with pytest.raises(SystemExit):
+        main(["simulate", "--run", "r", "--workload", "multi-turn"])
+    assert "invalid choice: 'multi-turn'" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="closed-loop workload \\(multi-turn\\)"):
+        whatif.workload_requests([Conversation(("hi", "and then?"), 4)], None, 0)

@@ -277,6 +277,18 @@ def test_load_test_of_an_uploaded_jsonl(server, client, tmp_path):
     assert run["workload"].startswith("jsonl") and [r["output_tokens"] for r in run["requests"]] == [3, 2]
 
 
+def test_load_test_of_multi_turn_conversations(server, client):
+    job = client.submit("multi-turn", 2, "fixed concurrency", 4, 2, 3, 0, "chats", None, api_name="/loadtest_start")
+    _, (message, progress, results, _chart) = _final(job)
+    (row,) = results["data"]
+    assert "finished" in message and row[1] == "completed" and row[3] == 0
+    run = runs.get_run(server.db_url, row[-1], with_requests=True)
+    assert run["workload"].startswith("multi-turn conversations=2 ") and run["workload"].endswith(" max_output=3")
+    summary = run["summary"]["summary"]
+    assert 6 <= row[2] == summary["num_requests"] == len(run["requests"]) <= 8  # 2 conversations x 3-4 turns
+    assert {r["output_tokens"] for r in run["requests"]} == {3} and summary["total_cached_tokens"] > 0
+
+
 def test_load_test_form_errors_are_shown(client):
     message, *_ = client.predict("jsonl", 4, "all at once", 4, 2, 0, 0, "", None, api_name="/loadtest_start")
     assert "upload a JSONL" in message

@@ -26,7 +26,8 @@ from ui.knobs_panel import (
     load_presets,
     rejected_markdown,
 )
-from ui.loadtest_tab import build_spec
+from appliance.bench.workloads import WORKLOADS, Conversation
+from ui.loadtest_tab import WORKLOAD_CHOICES, build_spec
 from ui.runs_view import TABLE_HEADERS, knob_snapshot, run_figures, table_row
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -127,6 +128,17 @@ def test_load_test_takes_an_uploaded_jsonl(tmp_path):
     bad.write_text("{not json}\n")
     with pytest.raises(ValueError, match="not valid JSON"):
         build_spec("jsonl", 1, "all at once", 1, 1, 0, 0, "", str(bad))
+
+
+def test_load_test_offers_every_workload_and_multi_turn_conversations():
+    assert [value for _, value in WORKLOAD_CHOICES] == list(WORKLOADS)
+    spec = build_spec("multi-turn", 3, "fixed concurrency", 1, 2, 5, 0, "", None)
+    assert len(spec.requests) == 3 and all(isinstance(c, Conversation) for c in spec.requests)
+    assert all(c.output_len == 5 and 3 <= c.max_requests <= 4 for c in spec.requests)  # default max turns 4
+    assert spec.workload.startswith("multi-turn conversations=3 ") and spec.workload.endswith(" max_output=5")
+    assert spec.concurrency == 2
+    shared = build_spec("shared-prefix", 8, "all at once", 1, 1, 0, 0, "", None)
+    assert len(shared.requests) == 8 and shared.workload.startswith("shared-prefix G=4 L=1024")
 
 
 # ------------------------------------------------------------------------ telemetry-backed views

@@ -9,7 +9,6 @@ then the policy that was in force is restored.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import dataclasses
 import html
@@ -21,17 +20,16 @@ import gradio as gr
 import plotly.graph_objects as go
 
 from appliance.bench.ab import ABResult, format_ab, run_ab
-from appliance.bench.cli import build_workload
+from appliance.bench.cli import build_workload, workload_args
 from appliance.bench.loadgen import BenchError, LoadGenerator, Progress
 from appliance.bench.runner import BenchmarkRun, run_benchmark
-from appliance.bench.workloads import BenchRequest
+from appliance.bench.workloads import WORKLOADS, ClosedLoop
 from appliance.numeric import to_ms
 from appliance.policies import POLICIES
 from ui import charts
 from ui.context import DashboardContext
 
-WORKLOAD_CHOICES = [("skewed", "skewed"), ("sharegpt", "sharegpt"),
-                    ("long-prompt-burst", "long-prompt-burst"), ("custom JSONL upload", "jsonl")]
+WORKLOAD_CHOICES = [("custom JSONL upload" if w == "jsonl" else w, w) for w in WORKLOADS]
 ARRIVALS = ("all at once", "Poisson rate", "fixed concurrency")
 POLL_S = 0.5
 RESULT_HEADERS = ["leg", "status", "completed", "failed", "output tok/s", "req/s", "TTFT p50 ms",
@@ -42,7 +40,7 @@ RESULT_HEADERS = ["leg", "status", "completed", "failed", "output tok/s", "req/s
 class LoadSpec:
     """What the form asks for, checked."""
 
-    requests: list[BenchRequest]
+    requests: list[ClosedLoop]  # multi-turn: conversations
     workload: str  # description stored with the run
     rate: float | None
     concurrency: int | None
@@ -58,15 +56,16 @@ def _positive_int(value: Any, what: str) -> int:
 
 def build_spec(workload: str, num_requests: Any, arrival: str, rate: Any, concurrency: Any,
                max_output: Any, seed: Any, name: str | None, upload: str | None) -> LoadSpec:
-    """Turn the form into a workload; ValueError/FileNotFoundError say what is wrong."""
+    """Turn the form into a workload; ValueError/FileNotFoundError say what is wrong. For
+    multi-turn, `num_requests` is the number of conversations and `max_output` caps each answer."""
     n = _positive_int(num_requests, "number of requests")
     if arrival not in ARRIVALS:
         raise ValueError(f"arrival must be one of {', '.join(ARRIVALS)}")
     if workload == "jsonl" and not upload:
         raise ValueError("upload a JSONL file for the custom workload")
-    args = argparse.Namespace(workload=workload, num_requests=n, seed=int(seed or 0),
-                              file=upload if workload == "jsonl" else None, long_prompt_len=1024,
-                              model=None)
+    count = {"conversations": n} if workload == "multi-turn" else {"num_requests": n}
+    args = workload_args(workload=workload, seed=int(seed or 0), file=upload if workload == "jsonl" else None,
+                         **count)
     requests, description = build_workload(args)
     cap = int(float(max_output or 0))
     if cap < 0:
@@ -274,7 +273,8 @@ class LoadTestTab:
         with gr.Row():
             self.workload = gr.Dropdown(WORKLOAD_CHOICES, value="skewed", label="Workload",
                                         elem_id="loadtest-workload")
-            self.num_requests = gr.Number(16, label="Number of requests", precision=0, minimum=1,
+            self.num_requests = gr.Number(16, label="Number of requests (multi-turn: conversations)",
+                                          precision=0, minimum=1,
                                           elem_id="loadtest-requests")
             self.max_output = gr.Number(0, label="Max output tokens per request (0: the workload's)",
                                         precision=0, minimum=0, elem_id="loadtest-max-output")

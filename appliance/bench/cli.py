@@ -17,16 +17,17 @@ import os
 import signal
 import sys
 import time
-from typing import Any, TextIO
+from typing import Any, Callable, TextIO
 
 from appliance.bench.loadgen import DEFAULT_BASE_URL, BenchError, LoadGenerator, Progress
 from appliance.bench.metrics import SLO, Distribution, Summary, parse_slo
 from appliance.bench.runner import BenchmarkRun, describe_arrival, run_benchmark
 from appliance.bench.workloads import (
     WORKLOADS,
-    BenchRequest,
+    ClosedLoop,
     jsonl,
     long_prompt_burst,
+    multi_turn,
     shared_prefix,
     sharegpt,
     skewed,
@@ -34,6 +35,7 @@ from appliance.bench.workloads import (
 from appliance.numeric import ms_text
 
 DEFAULT_NUM_REQUESTS = {"skewed": 64, "sharegpt": 64, "long-prompt-burst": 32, "shared-prefix": 64}
+DEFAULT_CONVERSATIONS = 16
 API_KEY_ENV = "APPLIANCE_API_KEY"
 
 
@@ -75,18 +77,21 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workload", choices=WORKLOADS, default="skewed",
                         help="skewed (the 64-request benchmark mix), sharegpt, long-prompt-burst, "
                              "shared-prefix (--prefix-groups system prompts of --prefix-len tokens, each "
-                             "followed by different questions), or jsonl (your own file, see --file)")
+                             "followed by different questions), multi-turn (--conversations ShareGPT chats, "
+                             "each turn sent with the whole history once the previous answer arrived), "
+                             "or jsonl (your own file, see --file)")
     parser.add_argument("--file", default=None,
                         help='JSONL for --workload jsonl: one {"prompt" or "prompt_ids", '
                              '"output_len"} object per line')
     parser.add_argument("--num-requests", "-n", type=_positive_int, default=None,
                         help="requests to send (default: 64; 32 for long-prompt-burst; "
-                             "every line of a jsonl file)")
+                             "every line of a jsonl file; multi-turn takes --conversations)")
     arrival = parser.add_mutually_exclusive_group()
     arrival.add_argument("--rate", type=_positive_float, default=None,
-                         help="Poisson arrivals at this many requests/s (default: all at once)")
+                         help="Poisson arrivals at this many requests/s, or conversations/s for "
+                              "multi-turn (default: all at once)")
     arrival.add_argument("--concurrency", type=_positive_int, default=None,
-                         help="keep this many requests in flight")
+                         help="keep this many requests (multi-turn: conversations) in flight")
     parser.add_argument("--seed", type=int, default=0, help="workload and arrival seed")
     parser.add_argument("--slo", type=_slo, default=None,
                         help="goodput targets, e.g. ttft=500ms,tpot=100ms,e2e=2s")
@@ -104,16 +109,39 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
                         help="shared-prefix: how many different system prompts (default 4)")
     parser.add_argument("--prefix-len", type=_positive_int, default=1024,
                         help="shared-prefix: tokens in each system prompt (default 1024)")
+    parser.add_argument("--conversations", type=_positive_int, default=None,
+                        help=f"multi-turn: ShareGPT conversations to hold (default {DEFAULT_CONVERSATIONS})")
+    parser.add_argument("--max-turns", type=_positive_int, default=4,
+                        help="multi-turn: user turns per conversation at most (default 4)")
+    parser.add_argument("--max-turn-tokens", type=_positive_int, default=256,
+                        help="multi-turn: each user turn cut to this many tokens (default 256)")
+    parser.add_argument("--turn-output-len", type=_positive_int, default=64,
+                        help="multi-turn: tokens forced in each answer (default 64)")
     parser.add_argument("--model", default=None,
-                        help="local model whose tokenizer counts (sharegpt) or decodes (sampled "
-                             "skewed, long-prompt-burst) tokens (default: embedded SmolLM2)")
+                        help="local model whose tokenizer counts (sharegpt), cuts (multi-turn) or decodes "
+                             "(sampled skewed, long-prompt-burst, shared-prefix) tokens (default: embedded SmolLM2)")
 
 
-def build_workload(args: argparse.Namespace) -> tuple[list[BenchRequest], str]:
-    """The requests the flags ask for, and a short description of the workload."""
+def workload_args(**given: Any) -> argparse.Namespace:
+    """The workload flags at their defaults, overridden by `given` (for callers that do not parse
+    `appliance bench` flags: the dashboard, `appliance simulate`)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_workload_arguments(parser)
+    return argparse.Namespace(**{**vars(parser.parse_args([])), **given})
+
+
+def build_workload(args: argparse.Namespace) -> tuple[list[ClosedLoop], str]:
+    """The requests (multi-turn: conversations) the flags ask for, and a short description."""
     kind, n, seed = args.workload, args.num_requests, args.seed
     if args.file is not None and kind != "jsonl":
         raise ValueError("--file is only used with --workload jsonl")
+    if args.conversations is not None and kind != "multi-turn":
+        raise ValueError(f"--conversations {args.conversations} is only used with --workload multi-turn")
+    if kind == "multi-turn":
+        if n is not None:
+            raise ValueError(f"--num-requests {n}: multi-turn sends every turn of --conversations "
+                             "conversations (up to --max-turns each)")
+        return _multi_turn(args)
     if kind == "jsonl":
         if args.file is None:
             raise ValueError("--workload jsonl needs --file PATH")
@@ -137,6 +165,24 @@ def build_workload(args: argparse.Namespace) -> tuple[list[BenchRequest], str]:
         requests = long_prompt_burst(n, seed, long_prompt_len=args.long_prompt_len,
                                      detokenize=_tokenizer(args).decode)
     return requests, f"{kind} n={n} seed={seed}"
+
+
+def _multi_turn(args: argparse.Namespace) -> tuple[list[ClosedLoop], str]:
+    n, limit = args.conversations or DEFAULT_CONVERSATIONS, args.max_turn_tokens
+    conversations = multi_turn(n, args.seed, token_cut(_tokenizer(args), limit), max_turns=args.max_turns,
+                               output_len=args.turn_output_len)
+    return list(conversations), (f"multi-turn conversations={n} max_turns={args.max_turns} "
+                                 f"turn_tokens={limit} output_len={args.turn_output_len} seed={args.seed}")
+
+
+def token_cut(tokenizer: Any, limit: int) -> Callable[[str], str]:
+    """Shortens a text to its first `limit` tokens (a shorter text is kept as it is)."""
+
+    def cut(text: str) -> str:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        return text if len(ids) <= limit else tokenizer.decode(ids[:limit])
+
+    return cut
 
 
 def _tokenizer(args: argparse.Namespace) -> Any:
@@ -208,7 +254,7 @@ def bench_main(args: argparse.Namespace) -> int:
     return 0 if summary.failed == 0 and summary.not_sent == 0 and not run.storage_error else 1
 
 
-def make_generator(args: argparse.Namespace, requests: list[BenchRequest]) -> LoadGenerator:
+def make_generator(args: argparse.Namespace, requests: list[ClosedLoop]) -> LoadGenerator:
     """A load generator for `requests` with the flags' arrival, limits and server."""
     return LoadGenerator(
         requests,
@@ -223,7 +269,7 @@ def make_generator(args: argparse.Namespace, requests: list[BenchRequest]) -> Lo
     )
 
 
-def _ab_main(args: argparse.Namespace, requests: list[BenchRequest], workload: str) -> int:
+def _ab_main(args: argparse.Namespace, requests: list[ClosedLoop], workload: str) -> int:
     """`appliance bench --ab`: continuous then static on the same server, side by side."""
     from appliance.bench.ab import format_ab, run_ab
 

@@ -1,4 +1,5 @@
-"""Async load generator for any OpenAI-compatible server (streaming /v1/completions).
+"""Async load generator for any OpenAI-compatible server (streaming /v1/completions, and
+/v1/chat/completions for chat requests).
 
 Each request is streamed and timed on the client: TTFT, the gaps between chunks and E2E (see
 `metrics`). Lengths are forced with max_tokens = min_tokens = output_len and ignore_eos (vLLM's
@@ -6,15 +7,20 @@ extensions, which the appliance implements). Against the appliance's own server 
 as token ids and the body carries `appliance_run_id` / `appliance_source: "loadtest"` so the
 server's telemetry links each request to the run; other servers get text and plain bodies.
 
-Arrival: all at once (default), Poisson at `rate` requests/s, a fixed `concurrency`, or the
-workload's own `arrival_offset`s. A run ends when every request has finished, when
-`max_duration_s` passes, or when `cancel()` is called (from any thread); outstanding requests
-are then cancelled and counted as "cancelled", and unsent ones as not sent.
+Every workload item is a closed loop (`workloads.ClosedLoop`; a plain request is a loop of one):
+the arrival process starts the loops, and a loop's next request is sent when the reply to its
+previous one has arrived (a failed request ends its loop). Arrival: all at once (default),
+Poisson at `rate` loops/s, a fixed `concurrency` (loops, hence requests, in flight), or the
+workload's own `arrival_offset`s. Results are indexed by position in the workload (a loop's
+requests take consecutive indexes). A run ends when every loop has ended, when `max_duration_s`
+passes, or when `cancel()` is called (from any thread); outstanding requests are then cancelled
+and counted as "cancelled", and unsent ones as not sent.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import random
 import threading
@@ -25,10 +31,12 @@ from typing import Any, AsyncIterable, AsyncIterator, Callable, Sequence
 import httpx
 
 from appliance.bench.metrics import SLO, RequestResult, Summary, itl_from_times, summarize
-from appliance.bench.workloads import BenchRequest
+from appliance.bench.workloads import BenchRequest, ClosedLoop
 from appliance.records import FAILED_REASONS
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8000"
+COMPLETIONS_PATH = "/v1/completions"
+CHAT_PATH = "/v1/chat/completions"
 CONNECT_TIMEOUT_S = 10.0
 
 
@@ -81,6 +89,7 @@ class LoadResult:
     knobs: dict[str, Any] | None = None  # GET /admin/knobs at the start (appliance only)
     replica_id: str | None = None  # GET /admin/state at the start (appliance only)
     knob_changes: list[dict[str, Any]] = field(default_factory=list)  # applied during the run
+    requests: list[BenchRequest] = field(default_factory=list)  # the one sent for each result
 
 
 def normalize_base_url(base_url: str) -> str:
@@ -155,7 +164,7 @@ class LoadGenerator:
 
     def __init__(
         self,
-        requests: Sequence[BenchRequest],
+        requests: Sequence[ClosedLoop],
         *,
         base_url: str = DEFAULT_BASE_URL,
         rate: float | None = None,
@@ -172,7 +181,8 @@ class LoadGenerator:
     ):
         """`appliance_server` None: detect the appliance by its GET /admin/knobs at the start.
         `model` None: the first model listed by GET /v1/models. `request_timeout_s` bounds the
-        wait for each piece of the reply (connect, first byte, every next chunk)."""
+        wait for each piece of the reply (connect, first byte, every next chunk). `requests`: the
+        workload's items (BenchRequests, or other closed loops such as Conversations)."""
         if not requests:
             raise BenchError("the workload has no requests")
         if rate is not None and concurrency is not None:
@@ -184,6 +194,8 @@ class LoadGenerator:
         if max_duration_s is not None and not max_duration_s > 0:
             raise BenchError(f"max duration must be above zero, got {max_duration_s}")
         self.requests = list(requests)
+        self.num_requests = sum(loop.max_requests for loop in self.requests)
+        self._first_index = list(itertools.accumulate((loop.max_requests for loop in self.requests), initial=0))
         self.base_url = normalize_base_url(base_url)
         self.rate, self.concurrency, self.seed = rate, concurrency, seed
         self.max_duration_s = max_duration_s
@@ -198,6 +210,7 @@ class LoadGenerator:
         self._cancel_requested = False
         self._lock = threading.Lock()
         self._results: list[RequestResult] = []
+        self._sent: dict[int, BenchRequest] = {}
         self._in_flight = 0
         self._t0 = 0.0
 
@@ -228,7 +241,7 @@ class LoadGenerator:
             mode = {"mode": "concurrency", "concurrency": self.concurrency}
         elif self.rate is not None:
             mode = {"mode": "poisson", "rate": self.rate, "seed": self.seed}
-        elif any(r.arrival_offset is not None for r in self.requests):
+        elif any(loop.first_request().arrival_offset is not None for loop in self.requests):
             mode = {"mode": "workload"}
         else:
             mode = {"mode": "all-at-once"}
@@ -246,7 +259,7 @@ class LoadGenerator:
             self._stop = asyncio.Event()
             if self._cancel_requested:
                 self._stop.set()
-        self._results, self._in_flight = [], 0
+        self._results, self._sent, self._in_flight = [], {}, 0
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         limits = httpx.Limits(max_connections=self.concurrency, max_keepalive_connections=None)
         timeout = httpx.Timeout(self.request_timeout_s, connect=CONNECT_TIMEOUT_S)
@@ -267,9 +280,9 @@ class LoadGenerator:
             finished_at = time.time()
             changes = await self._knob_changes(client, started_at, finished_at) if ours else []
         results = sorted(self._results, key=lambda r: r.index)
-        summary = summarize(results, max(duration, 1e-9), len(self.requests), self.slo)
+        summary = summarize(results, max(duration, 1e-9), self.num_requests, self.slo)
         return LoadResult(results, summary, model, started_at, finished_at, stopped, ours,
-                          knobs, replica_id, changes)
+                          knobs, replica_id, changes, [self._sent[r.index] for r in results])
 
     async def _run_until_stopped(
         self, client: httpx.AsyncClient, model: str, run_id: str | None, ours: bool
@@ -287,56 +300,71 @@ class LoadGenerator:
             if not dispatch.done():
                 dispatch.cancel()
             await asyncio.gather(dispatch, stop_wait, return_exceptions=True)
-        if dispatch in done:
-            dispatch.result()  # re-raise a failure inside the run (e.g. a progress callback's)
-            if len(self._results) == len(self.requests):
-                return None
+        # result() re-raises a failure inside the run (e.g. a progress callback's)
+        if dispatch in done and dispatch.result():
+            return None
         return "cancelled" if self._stop.is_set() else "duration"
 
     async def _dispatch(
         self, client: httpx.AsyncClient, model: str, run_id: str | None, ours: bool
-    ) -> None:
+    ) -> bool:
+        """Start every loop by the arrival process; True when all of them ran to their end."""
         tasks: list[asyncio.Task] = []
         try:
             if self.concurrency is not None:
-                queue = iter(enumerate(self.requests))
+                queue = iter(range(len(self.requests)))
 
                 async def worker() -> None:
-                    for index, request in queue:
+                    for k in queue:
                         if self._stopping():
                             return
-                        await self._send(client, index, request, model, run_id, ours)
+                        await self._run_loop(client, k, model, run_id, ours)
 
                 workers = min(self.concurrency, len(self.requests))
                 tasks = [asyncio.create_task(worker()) for _ in range(workers)]
             else:
-                offsets = arrival_offsets(self.requests, self.rate, self.seed)
-                for index, (request, offset) in enumerate(zip(self.requests, offsets)):
+                firsts = [loop.first_request() for loop in self.requests]
+                for k, offset in enumerate(arrival_offsets(firsts, self.rate, self.seed)):
                     delay = offset - (time.perf_counter() - self._t0)
                     if delay > 0:
                         await asyncio.sleep(delay)
                     if self._stopping():
                         break
-                    tasks.append(asyncio.create_task(
-                        self._send(client, index, request, model, run_id, ours)))
+                    tasks.append(asyncio.create_task(self._run_loop(client, k, model, run_id, ours)))
             await asyncio.gather(*tasks)
+            return not self._stopping()
         finally:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
+    async def _run_loop(
+        self, client: httpx.AsyncClient, k: int, model: str, run_id: str | None, ours: bool
+    ) -> None:
+        """Send loop `k`'s requests one after another, each once the previous reply arrived."""
+        loop, index = self.requests[k], self._first_index[k]
+        request: BenchRequest | None = loop.first_request()
+        while request is not None and not self._stopping():
+            reply = await self._send(client, index, request, model, run_id, ours)
+            if reply is None:
+                return  # a failed request ends its loop; the rest count as not sent
+            request, index = loop.next_request(request, reply), index + 1
+
     def request_body(
         self, request: BenchRequest, model: str, run_id: str | None, ours: bool
     ) -> dict[str, Any]:
-        """The /v1/completions body for one request."""
-        use_ids = request.prompt_ids is not None and (ours or request.prompt is None)
-        body: dict[str, Any] = {
-            "model": model,
-            "prompt": request.prompt_ids if use_ids else request.prompt,
+        """The /v1/completions body for one request (/v1/chat/completions for a chat request)."""
+        body: dict[str, Any] = {"model": model}
+        if request.messages is not None:
+            body["messages"] = list(request.messages)
+        else:
+            use_ids = request.prompt_ids is not None and (ours or request.prompt is None)
+            body["prompt"] = request.prompt_ids if use_ids else request.prompt
+        body.update({
             "stream": True,
             "stream_options": {"include_usage": True},
             "temperature": self.temperature,
-        }
+        })
         if request.output_len is not None:
             body.update(max_tokens=request.output_len, min_tokens=request.output_len,
                         ignore_eos=True)
@@ -349,14 +377,17 @@ class LoadGenerator:
     async def _send(
         self, client: httpx.AsyncClient, index: int, request: BenchRequest, model: str,
         run_id: str | None, ours: bool,
-    ) -> None:
+    ) -> str | None:
+        """Send one request and time it; its reply's text when it succeeded, else None."""
         result = RequestResult(index=index, sent_at=time.time(),
                                requested_output_len=request.output_len)
         body = self.request_body(request, model, run_id, ours)
+        path = CHAT_PATH if request.messages is not None else COMPLETIONS_PATH
+        self._sent[index] = request
         self._in_flight += 1
         start = time.perf_counter()
         try:
-            await self._stream(client, body, result, start)
+            await self._stream(client, path, body, result, start)
         except asyncio.CancelledError:
             _fail(result, "cancelled", "stopped by the client before the reply ended")
             raise
@@ -370,12 +401,14 @@ class LoadGenerator:
             result.ok = result.error_kind is None
             self._results.append(result)
             self._report()
+        return result.text if result.ok else None
 
     async def _stream(
-        self, client: httpx.AsyncClient, body: dict[str, Any], result: RequestResult, start: float
+        self, client: httpx.AsyncClient, path: str, body: dict[str, Any], result: RequestResult,
+        start: float,
     ) -> None:
         chunk_times: list[float] = []
-        async with client.stream("POST", "/v1/completions", json=body) as response:
+        async with client.stream("POST", path, json=body) as response:
             result.status = response.status_code
             if response.status_code != 200:
                 await response.aread()
@@ -436,7 +469,7 @@ class LoadGenerator:
         ok = [r for r in self._results if r.ok]
         self.progress(Progress(
             done=len(self._results),
-            total=len(self.requests),
+            total=self.num_requests,
             ok=len(ok),
             failed=len(self._results) - len(ok),
             in_flight=self._in_flight,
@@ -453,7 +486,8 @@ def _take_event(data: str, result: RequestResult, chunk_times: list[float]) -> b
     """Apply one streamed JSON event to `result`; False when it ends the request as failed.
 
     A chunk counts as output (for TTFT/ITL) when it has a choice with text, or a choice without
-    finish_reason (a token whose text is not complete yet); a bare finish or usage chunk does not.
+    finish_reason (a token whose text is not complete yet); a bare finish or usage chunk does not,
+    nor a chat chunk that only announces the assistant's role. Text is appended to `result.text`.
     """
     try:
         event = json.loads(data)
@@ -473,12 +507,15 @@ def _take_event(data: str, result: RequestResult, chunk_times: list[float]) -> b
     choices = event.get("choices") or []
     if choices and isinstance(choices[0], dict):
         choice = choices[0]
+        delta = choice.get("delta") if isinstance(choice.get("delta"), dict) else {}
         text = choice.get("text")
         if text is None:
-            text = (choice.get("delta") or {}).get("content")
+            text = delta.get("content")
         reason = choice.get("finish_reason")
-        if text or reason is None:
+        if text or (reason is None and "role" not in delta):
             chunk_times.append(time.perf_counter())
+        if isinstance(text, str):
+            result.text += text
         if reason:
             result.finish_reason = reason
     usage = event.get("usage")

