@@ -102,6 +102,7 @@ def test_run_agrees_with_server_rows(server, loaded_model, tmp_path, kind, arriv
     assert summary["total_output_tokens"] == sum(r["output_tokens"] for r in client) == server_summary["output_tokens"]
     assert server_summary["requests"] == summary["completed"] == len(requests)
     assert server_summary["finish_reasons"] == {"length": len(requests)}
+    assert summary["replicas"] == {REPLICA: len(requests)}  # one process: a fleet of one (X-Appliance-Replica)
 
     # percentiles: the stored ones are those of the stored rows; the server's are no larger
     for metric, column in (("ttft", "ttft_s"), ("e2e", "e2e_s")):

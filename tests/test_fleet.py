@@ -132,6 +132,23 @@ def test_concurrent_requests_match_one_engine_and_use_both_replicas(fleet, live_
     assert {replica for _, replica in answers} == set(replica_ids)
 
 
+def test_a_load_test_through_the_fleet_reports_its_size_and_balance(fleet, replica_ids):
+    """appliance bench against the ingress: each streamed response names its replica, and the
+    summary counts completed requests by replica (the fleet size and its load balance)."""
+    import asyncio
+
+    from appliance.bench.loadgen import LoadGenerator
+    from appliance.bench.workloads import BenchRequest, skewed_corpus_ids
+
+    corpus = skewed_corpus_ids()
+    requests = [BenchRequest(None, corpus[20 * i: 20 * i + 8 + i], 4) for i in range(16)]
+    generator = LoadGenerator(requests, base_url=fleet.base_url, seed=1)
+    summary = asyncio.run(generator.run()).summary
+    assert summary.completed == 16
+    assert set(summary.replicas) == set(replica_ids) and sum(summary.replicas.values()) == 16
+    assert summary.balance.startswith("2 replicas: ")
+
+
 def test_streaming_goes_through_end_to_end(fleet, replica_ids):
     client = openai.OpenAI(base_url=f"{fleet.base_url}/v1", api_key="unused", max_retries=0, timeout=300)
     messages = [{"role": "user", "content": PROMPTS[0]}]

@@ -16,8 +16,8 @@ from typing import Any
 import httpx
 
 from appliance.bench.loadgen import iter_sse_data
+from appliance.wire import SOURCE_HEADER
 
-SOURCE_HEADER = "X-Appliance-Source"
 ADMIN_TIMEOUT_S = 10.0
 SIMULATE_TIMEOUT_S = 120.0  # a replay of a long window takes seconds on a busy machine
 # Chat replies stream for as long as generation takes; only connecting and each gap are bounded.

@@ -21,6 +21,7 @@ from appliance.bench.report.data import IterationTotals, iteration_totals, wait_
 from appliance.bench.runner import BenchmarkRun, run_benchmark
 from appliance.numeric import ms_text
 from appliance.policies import POLICIES
+from appliance.wire import SOURCE_HEADER
 
 TELEMETRY_TIMEOUT_S = 15.0
 
@@ -98,7 +99,7 @@ async def run_ab(
 async def set_policy(client: httpx.AsyncClient, policy: str) -> None:
     try:
         response = await client.patch("/admin/knobs", json={"scheduling_policy": policy},
-                                      headers={"X-Appliance-Source": "ab-test"})
+                                      headers={SOURCE_HEADER: "ab-test"})
     except httpx.HTTPError as exc:
         raise BenchError(f"PATCH /admin/knobs failed: {type(exc).__name__}: {exc}") from None
     if response.status_code != 200:

@@ -355,6 +355,8 @@ def format_run(run: BenchmarkRun) -> str:
         f"{'Output throughput':<24}{s.output_throughput:.1f} tok/s",
         f"{'Total throughput':<24}{s.total_token_throughput:.1f} tok/s",
     ]
+    if s.replicas:
+        lines.append(f"{'Served by':<24}{s.balance} (completed requests each)")
     if s.output_len_mismatch:
         lines.append(f"{'Length not forced':<24}{s.output_len_mismatch} requests")
     if s.slo is not None:

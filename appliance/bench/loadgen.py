@@ -33,6 +33,7 @@ import httpx
 from appliance.bench.metrics import SLO, RequestResult, Summary, itl_from_times, summarize
 from appliance.bench.workloads import BenchRequest, ClosedLoop
 from appliance.records import FAILED_REASONS
+from appliance.wire import REPLICA_HEADER
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8000"
 COMPLETIONS_PATH = "/v1/completions"
@@ -410,6 +411,7 @@ class LoadGenerator:
         chunk_times: list[float] = []
         async with client.stream("POST", path, json=body) as response:
             result.status = response.status_code
+            result.replica = response.headers.get(REPLICA_HEADER)
             if response.status_code != 200:
                 await response.aread()
                 _fail(result, http_error_kind(response.status_code), _error_message(response))

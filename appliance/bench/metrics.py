@@ -10,6 +10,7 @@ Pure functions over plain records, in seconds throughout. Definitions (as vLLM's
 from __future__ import annotations
 
 import re
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Sequence
 
@@ -64,6 +65,7 @@ class RequestResult:
     requested_output_len: int | None = None
     finish_reason: str | None = None
     server_request_id: str | None = None
+    replica: str | None = None  # the appliance replica that served it (its X-Appliance-Replica header)
     text: str = ""  # the reply's text as received
 
     @property
@@ -171,17 +173,31 @@ class Summary:
     slo: SLO | None
     slo_met: int | None  # completed requests within the SLO
     goodput: float | None  # requests per second within the SLO
+    replicas: dict[str, int]  # completed requests by the replica that served them (load balance)
 
     @property
     def prefix_cache_hit_rate(self) -> float | None:
         """Share of the completed requests' input tokens served from the server's prefix cache."""
         return self.total_cached_tokens / self.total_input_tokens if self.total_input_tokens else None
 
+    @property
+    def balance(self) -> str:
+        """The fleet size and its load balance, e.g. '2 replicas: a 16, b 15' ('' when unnamed)."""
+        if not self.replicas:
+            return ""
+        return balance_text(self.replicas)
+
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["slo"] = self.slo.as_dict() if self.slo else None
         d["prefix_cache_hit_rate"] = self.prefix_cache_hit_rate
         return d
+
+
+def balance_text(replicas: dict[str, int]) -> str:
+    """'2 replicas: a 16, b 15' from completed requests by replica."""
+    n = len(replicas)
+    return f"{n} replica{'s' if n != 1 else ''}: " + ", ".join(f"{r} {c}" for r, c in replicas.items())
 
 
 def error_counts(results: Iterable[RequestResult]) -> dict[str, int]:
@@ -233,4 +249,5 @@ def summarize(
         slo=slo,
         slo_met=slo_met,
         goodput=None if slo is None else slo_met / duration_s,
+        replicas=dict(sorted(Counter(r.replica for r in ok if r.replica).items())),
     )

@@ -28,6 +28,7 @@ from appliance.bench.runner import run_benchmark
 from appliance.bench.workloads import ClosedLoop
 from appliance.numeric import ms_text
 from appliance.records import StrEnum
+from appliance.wire import SOURCE_HEADER
 
 TUNED = ("max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold")
 SHORT = {"max_num_seqs": "seqs", "max_num_batched_tokens": "budget", "long_prefill_token_threshold": "chunk"}
@@ -289,7 +290,7 @@ def apply_recommendation_at(result: SweepResult, base_url: str, api_key: str | N
 
 async def patch_knobs(client: httpx.AsyncClient, knobs: dict[str, Any]) -> dict[str, Any]:
     try:
-        response = await client.patch("/admin/knobs", json=knobs, headers={"X-Appliance-Source": "tune"})
+        response = await client.patch("/admin/knobs", json=knobs, headers={SOURCE_HEADER: "tune"})
     except httpx.HTTPError as exc:
         raise BenchError(f"PATCH /admin/knobs failed: {type(exc).__name__}: {exc}") from None
     if response.status_code != 200:

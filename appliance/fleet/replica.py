@@ -26,9 +26,6 @@ from .registry import REGISTRY_NAME, REGISTRY_NAMESPACE
 
 log = logging.getLogger(__name__)
 
-REPLICA_HEADER = "x-appliance-replica"
-
-
 @dataclasses.dataclass
 class ReplicaSettings:
     """What every replica is built from (picklable; sent to each replica by Ray Serve)."""
@@ -69,10 +66,9 @@ class EngineReplica:
                  settings.torch_threads, fleet_knobs or "none")
 
     async def http(self, request: ForwardedRequest) -> AsyncIterator[ResponseStart | bytes]:
-        """One request routed here by Ray Serve: the response head, then its body chunks."""
+        """One request routed here by Ray Serve: the response head (naming this replica in
+        x-appliance-replica, as the server app does), then its body chunks."""
         async for item in asgi_request(self.app, request):
-            if isinstance(item, ResponseStart):
-                item.headers.append((REPLICA_HEADER, self.replica_id))
             yield item
 
     def check_health(self) -> None:

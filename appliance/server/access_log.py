@@ -17,8 +17,10 @@ import logging
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from ..wire import SOURCE_HEADER
+
 ACCESS_LOGGER = "uvicorn.access"
-SOURCE_HEADER = b"x-appliance-source"
+RAW_SOURCE_HEADER = SOURCE_HEADER.lower().encode("latin-1")  # as ASGI scopes carry it
 DASHBOARD_SOURCE = b"dashboard"
 GRADIO_POLLING = ("/gradio_api/queue/", "/gradio_api/heartbeat/")  # under the dashboard's mount path
 
@@ -32,7 +34,7 @@ def is_dashboard_polling(scope: Scope, mount_path: str) -> bool:
         return True
     if scope.get("method") != "GET":
         return False
-    return any(k == SOURCE_HEADER and v.strip().lower() == DASHBOARD_SOURCE for k, v in scope.get("headers", ()))
+    return any(k == RAW_SOURCE_HEADER and v.strip().lower() == DASHBOARD_SOURCE for k, v in scope.get("headers", ()))
 
 
 class DashboardPollingMarker:

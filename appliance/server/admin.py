@@ -8,12 +8,12 @@ import re
 from starlette.requests import Request
 
 from ..engine import KnobError
+from ..wire import SOURCE_HEADER
 from .autopilot_policy import SpecError, parse_spec
 from .errors import APIError, JSONResponse, ServerErrorCode
 from .protocol import parse_json, read_body
 from .state import AppState
 
-SOURCE_HEADER = "x-appliance-source"
 _SOURCE_RE = re.compile(r"[a-z][a-z0-9_-]{0,31}")
 KNOB_UPDATE_TIMEOUT_S = 30.0
 

@@ -17,10 +17,11 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..engine import AsyncEngine
 from . import admin, openai_api, simulate
+from ..wire import REPLICA_HEADER
 from .access_log import DashboardPollingMarker, quiet_dashboard_polling
 from .errors import APIError, JSONResponse, ServerErrorCode
 from .openapi import build_openapi
@@ -49,6 +50,27 @@ class ApiKeyMiddleware:
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+class ReplicaHeaderMiddleware:
+    """Names the replica that served each /v1 response in REPLICA_HEADER (one process is a fleet
+    of one; behind Ray Serve the router's choice shows in it), so clients can count the balance."""
+
+    def __init__(self, app: ASGIApp, replica_id: str):
+        self.app = app
+        self.header = (REPLICA_HEADER.lower().encode("latin-1"), replica_id.encode("latin-1"))
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+            await self.app(scope, receive, send)
+            return
+
+        async def named(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), self.header]
+            await send(message)
+
+        await self.app(scope, receive, named)
 
 
 async def _api_error(request: Request, exc: Exception) -> Response:
@@ -120,6 +142,7 @@ def build_app(
         lifespan=lifespan,
     )
     app.state.appliance = state
+    app.add_middleware(ReplicaHeaderMiddleware, replica_id=state.config.replica_id)
     app.add_middleware(ApiKeyMiddleware, state=state)
     if state.config.self_url:
         _mount_dashboard(app, state)

@@ -12,6 +12,7 @@ from typing import Any
 
 from appliance.bench.report.analysis import Comparison, pct
 from appliance.bench.report.data import BUDGET_FULL, KV_PINNED, LATENCIES, RunData
+from appliance.bench.metrics import balance_text
 from appliance.bench.runner import describe_arrival
 from appliance.numeric import ms_text
 
@@ -62,6 +63,7 @@ def facts(data: RunData) -> list[tuple[str, str]]:
         ("Started", when(run["started_at"])),
         ("Duration", f"{data.duration_s:.2f} s"),
         ("Replica", run["replica_id"]),
+        ("Served by", balance_text(s["replicas"]) + " (completed requests each)" if s.get("replicas") else "-"),
         ("Server", server or "-"),
         ("Requests", f"{s.get('completed', 0)} completed of {s.get('num_requests', 0)}"
                      f" (the server recorded {data.server['requests']})"),
