@@ -40,8 +40,8 @@ def test_split_of_synthetic_rows_is_exact(tmp_path):
     for r in rows:
         writer.on_iteration(r)
     writer.on_iteration(_row(7, 200.0, 5.0, max_num_seqs=9))  # after it finished: not its life
-    writer.on_request(RequestStats("slow", "api", None, 100.5, 102.01, 103.85, 105.85, 32, 4, "length", 0))
-    writer.on_request(RequestStats("fast", "api", None, 104.0, 104.0, 104.4, 104.5, 4, 1, "length", 0))
+    writer.on_request(RequestStats("slow", "api", None, 100.5, 102.01, 103.85, 105.85, 32, 4, "length", 0, 0))
+    writer.on_request(RequestStats("fast", "api", None, 104.0, 104.0, 104.4, 104.5, 4, 1, "length", 0, 0))
     assert writer.flush()
     writer.close()
     slowest = rs.slowest_requests(url)
