@@ -13,6 +13,7 @@ from pydantic.json_schema import models_json_schema
 from ..engine.knobs import Knobs
 from ..engine.stats import FinishReason
 from .protocol import RequestModels
+from .simulate import SimulateRequest
 
 REF = "#/components/schemas/{model}"
 
@@ -34,10 +35,10 @@ def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
 
 
 def _model_schemas(models: RequestModels) -> dict[str, Any]:
-    """Components for the request models and the knobs (nested models included), and
-    KnobPatch: any subset of the knobs."""
+    """Components for the request models, the knobs and the simulation request (nested models
+    included), and KnobPatch: any subset of the knobs."""
     _, top = models_json_schema([(models.chat, "validation"), (models.completion, "validation"),
-                                 (Knobs, "serialization")], ref_template=REF)
+                                 (Knobs, "serialization"), (SimulateRequest, "validation")], ref_template=REF)
     schemas = top["$defs"]
     knobs = schemas["Knobs"]
     schemas["KnobPatch"] = {"type": "object", "additionalProperties": False, "properties": {
@@ -103,6 +104,13 @@ def build_openapi(models: RequestModels, model: str, auth: bool) -> dict[str, An
             "knob_version": {"type": "integer"}, "uptime_s": {"type": "number"}, "model": {"type": "string"},
             "device": {"type": "string"}, "replica_id": {"type": "string"},
             "telemetry_rows_dropped": {"type": "integer"}, "in_flight": {"type": "integer"}}},
+        "Simulation": {"type": "object", "required": ["object", "source", "model", "baseline", "predicted",
+                                                      "knobs"], "properties": {
+            "object": {"type": "string", "enum": ["simulation"]}, "source": {"type": "object"},
+            "running_engine": {"type": "string"}, "model": {"type": "object"},
+            "recorded": _nullable({"type": "object"}), "recorded_by": {"type": "string", "enum": ["client", "server"]},
+            "baseline": {"type": "object"}, "predicted": {"type": "object"}, "knobs": _ref("Knobs"),
+            "elapsed_s": {"type": "number"}}},
         "ModelList": {"type": "object", "required": ["object", "data"], "properties": {
             "object": {"type": "string", "enum": ["list"]}, "data": {"type": "array", "items": {
                 "type": "object", "required": ["id", "object"], "properties": {
@@ -139,6 +147,16 @@ def build_openapi(models: RequestModels, model: str, auth: bool) -> dict[str, An
         "422": _json(_ref("KnobErrorResponse"), "invalid knob values (nothing applied)"),
         "503": _error("engine unavailable"),
     })
+    simulate = admin("post", "Simulation", "predict a knob change by replaying a run or the last minutes "
+                     "(nothing applied)", {
+        "400": _json(_ref("KnobErrorResponse"), "bad body, unknown run, invalid knobs, or a run that cannot be "
+                     "replayed"),
+        "413": _error("request body too large"),
+        "422": _error("no iterations of the running configuration to predict from"),
+        "503": _error("no telemetry store"),
+    })
+    simulate["post"]["requestBody"] = {"required": True, "content": {"application/json": {
+        "schema": _ref("SimulateRequest")}}}
     patch["patch"]["requestBody"] = {"required": True, "content": {"application/json": {"schema": _ref("KnobPatch")}}}
     patch["patch"]["parameters"] = [{"name": "X-Appliance-Source", "in": "header", "required": False,
                                      "schema": {"type": "string", "pattern": "^[a-z][a-z0-9_-]{0,31}$"}}]
@@ -152,6 +170,7 @@ def build_openapi(models: RequestModels, model: str, auth: bool) -> dict[str, An
             "/admin/knobs": {**admin("get", "KnobsView", "knobs in force"), **patch},
             "/admin/knobs/history": admin("get", "KnobHistory", "every knob change"),
             "/admin/state": admin("get", "EngineState", "engine state"),
+            "/admin/simulate": simulate,
             "/health": {"get": {"summary": "readiness", "responses": {
                 "200": _json({"type": "object", "properties": {"status": {"type": "string"}}}, "ready"),
                 "503": _json({"type": "object", "properties": {"status": {"type": "string"}}},

@@ -14,26 +14,41 @@ engine started, is answered 422 "no_matching_iterations" instead of a guess. Not
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationInfo, field_validator
+from pydantic_core import PydanticCustomError
 from starlette.requests import Request
 
 from ..engine import KnobError, Knobs
+from ..engine.validation import RequestErrorCode
 from .errors import APIError, JSONResponse, ServerErrorCode, bad_request
-from .protocol import parse_json, read_body
+from .protocol import parse, parse_json, read_body
 from .state import AppState
 
 MAX_WINDOW_MINUTES = 60.0  # a longer window replays more traffic than an interactive answer allows
 
 
-@dataclass(frozen=True)
-class SimulateQuery:
-    run_id: str | None
-    last_minutes: float | None
-    knobs: dict[str, Any]
+class SimulateRequest(BaseModel):
+    """The body of POST /admin/simulate: exactly one of `last_minutes` and `run_id`, and knobs."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    last_minutes: float | None = Field(None, gt=0, le=MAX_WINDOW_MINUTES, allow_inf_nan=False,
+                                       description="this replica's traffic of the last N minutes")
+    run_id: Annotated[str, StringConstraints(strip_whitespace=True, min_length=1)] | None = Field(
+        None, validate_default=True, description="a recorded run")
+    knobs: dict[str, Any] = Field(default_factory=dict, description="the knobs to predict, on top of the source's")
+
+    @field_validator("run_id")
+    @classmethod
+    def _one_source(cls, run_id: str | None, info: ValidationInfo) -> str | None:
+        if "last_minutes" in info.data and (run_id is None) == (info.data["last_minutes"] is None):
+            raise PydanticCustomError(RequestErrorCode.INVALID_VALUE.value, "give exactly one of run_id (a recorded "
+                                      "run) and last_minutes (this replica's recent traffic)")
+        return run_id
 
 
 @dataclass(frozen=True)
@@ -47,32 +62,17 @@ class Running:
     started_at: float
 
 
-def parse_query(body: Any) -> SimulateQuery:
-    """Validate the request body; APIError 400 naming the bad field."""
+def parse_query(body: Any) -> SimulateRequest:
+    """Validate the request body; APIError 400 naming the bad field (422-free: nothing runs)."""
     if not isinstance(body, dict):
         raise bad_request("the body must be a JSON object: {\"run_id\" or \"last_minutes\", \"knobs\"}", param="body")
-    unknown = sorted(set(body) - {"run_id", "last_minutes", "knobs"})
-    if unknown:
-        raise bad_request(f"unknown field {unknown[0]!r} (expected run_id or last_minutes, and knobs)",
-                          param=unknown[0])
-    run_id, minutes = body.get("run_id"), body.get("last_minutes")
-    if (run_id is None) == (minutes is None):
-        raise bad_request("give exactly one of run_id (a recorded run) and last_minutes (this replica's recent "
-                          "traffic)", param="run_id")
-    if run_id is not None and (not isinstance(run_id, str) or not run_id.strip()):
-        raise bad_request(f"run_id must be a run id string, got {run_id!r}", param="run_id")
-    if minutes is not None and (isinstance(minutes, bool) or not isinstance(minutes, (int, float))
-                                or not 0 < minutes <= MAX_WINDOW_MINUTES or not math.isfinite(minutes)):
-        raise bad_request(f"last_minutes must be a number within (0, {MAX_WINDOW_MINUTES:g}], got {minutes!r}",
-                          param="last_minutes")
-    knobs = body.get("knobs", {})
-    if not isinstance(knobs, dict):
-        raise bad_request(f"knobs must be an object mapping knob names to values, got {knobs!r}", param="knobs")
+    query = parse(SimulateRequest, body)
     names = Knobs.names()
-    errors = {k: "unknown knob" + (" (fixed at start)" if k == "num_blocks" else "") for k in knobs if k not in names}
+    errors = {k: "unknown knob" + (" (fixed at start)" if k == "num_blocks" else "") for k in query.knobs
+              if k not in names}
     if errors:
         raise knob_error(errors)
-    return SimulateQuery(run_id.strip() if run_id else None, float(minutes) if minutes is not None else None, knobs)
+    return query
 
 
 def knob_error(errors: dict[str, str]) -> APIError:
@@ -85,7 +85,7 @@ class NoMatch(Exception):
     """Nothing of the running configuration to predict from (answered 422)."""
 
 
-def answer(db_url: str, query: SimulateQuery, running: Running) -> dict[str, Any]:
+def answer(db_url: str, query: SimulateRequest, running: Running) -> dict[str, Any]:
     """The simulation report (blocking: replays in the calling thread). Raises LookupError
     (unknown run), KnobError, NoMatch, or ValueError (the run cannot be replayed)."""
     from appliance.sim import whatif
