@@ -28,6 +28,8 @@ from appliance.telemetry import queries, runs, store
 from appliance.telemetry.models import Base
 from appliance.telemetry.writer import TelemetryWriter
 
+from records_factory import iteration
+
 pytestmark = pytest.mark.postgres
 
 
@@ -136,35 +138,10 @@ def pg_store(pg_url: str) -> Iterator[str]:
 
 
 def _iteration(i: int, t: float, running: int) -> IterationStats:
-    return IterationStats(
-        iteration=i,
-        started_at=t,
-        duration_s=0.01,
-        running=running,
-        waiting=0,
-        prefill_seqs=0,
-        prefill_tokens=0,
-        decode_seqs=running,
-        decode_tokens=running,
-        scheduled_tokens=running,
-        padding_tokens=0,
-        token_budget=512,
-        max_num_seqs=64,
-        kv_blocks_used=running,
-        kv_blocks_free=100 - running,
-        kv_blocks_total=100,
-        preemptions=0,
-        finished=0,
-        knob_version=1,
-        sample_s=0.0,
-        held_by_max_num_seqs=0, held_by_token_budget=0, held_by_kv_blocks=0, held_by_partial_prefills=0,
-        held_by_long_partial_prefills=0, chunk_deferred_tokens=0,
-        policy="continuous",
-        decode_context_tokens=0,
-        kv_blocks_cached_free=0,
-        prefix_cache_queries=0,
-        prefix_cache_hits=0,
-    )
+    return iteration(iteration=i, started_at=t, duration_s=0.01, running=running, decode_seqs=running,
+                     decode_tokens=running, scheduled_tokens=running, token_budget=512, max_num_seqs=64,
+                     kv_blocks_used=running, kv_blocks_free=100 - running, kv_blocks_total=100, knob_version=1,
+                     decode_context_tokens=0)
 
 
 def test_migrations_on_postgres(pg_url: str) -> None:

@@ -22,41 +22,18 @@ from appliance.engine.stats import IterationStats, KnobChange, RequestStats
 from appliance.telemetry import store
 from appliance.telemetry.writer import Retention, TelemetryWriter, parse_retention, prune
 
+from records_factory import iteration
+
 # A sink call that waited for a locked store would take at least the busy timeout (1 s in
 # these tests); the bound leaves room for a loaded 2-core machine.
 MAX_SINK_CALL_S = 0.25
 
 
 def _iteration(i: int, t: float, running: int = 4) -> IterationStats:
-    return IterationStats(
-        iteration=i,
-        started_at=t,
-        duration_s=0.002,
-        running=running,
-        waiting=1,
-        prefill_seqs=1,
-        prefill_tokens=32,
-        decode_seqs=running - 1,
-        decode_tokens=running - 1,
-        scheduled_tokens=31 + running,
-        padding_tokens=0,
-        token_budget=512,
-        max_num_seqs=64,
-        kv_blocks_used=10,
-        kv_blocks_free=90,
-        kv_blocks_total=100,
-        preemptions=0,
-        finished=0,
-        knob_version=1,
-        sample_s=0.0,
-        held_by_max_num_seqs=0, held_by_token_budget=0, held_by_kv_blocks=0, held_by_partial_prefills=0,
-        held_by_long_partial_prefills=0, chunk_deferred_tokens=0,
-        policy="continuous",
-        decode_context_tokens=0,
-        kv_blocks_cached_free=0,
-        prefix_cache_queries=0,
-        prefix_cache_hits=0,
-    )
+    return iteration(iteration=i, started_at=t, duration_s=0.002, running=running, waiting=1, prefill_seqs=1,
+                     prefill_tokens=32, decode_seqs=running - 1, decode_tokens=running - 1,
+                     scheduled_tokens=31 + running, token_budget=512, max_num_seqs=64, kv_blocks_used=10,
+                     kv_blocks_free=90, kv_blocks_total=100, knob_version=1, decode_context_tokens=0)
 
 
 def _db(path: Path) -> sqlite3.Connection:
