@@ -3,13 +3,19 @@ directly), and its HTTP switch on the real server."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import httpx
 import pytest
 
 from appliance.engine import Knobs
-from appliance.records import ITERATION_METRICS, HoldCause, IterationStats, KnobChange, RequestStats
+from appliance.engine.knobs import KnobState, KnobUpdate
+from appliance.records import ITERATION_METRICS, HoldCause, IterationStats, RequestStats
 from appliance.server.autopilot import SOURCE, Autopilot
-from appliance.server.autopilot_policy import SpecError, parse_spec
+from appliance.server.autopilot_choice import MARGIN
+from appliance.server.autopilot_policy import SpecError, decide, parse_spec, window_stats
+from appliance.sim.fit import MIN_ROWS, EngineKey, StepTimeModel
+from appliance.sim.replay import CacheShape, SimRequest, replay
 
 
 def iteration(t: float, duration: float = 0.1, kv: float = 0.3, prefill: int = 0, **held: int) -> IterationStats:
@@ -25,30 +31,38 @@ def request(t: float, ttft: float, itl: float = 0.02, out: int = 11) -> RequestS
 
 
 class Engine:
-    """The knob path as the autopilot sees it: validated, versioned, announced to sinks."""
+    """The knob path as the autopilot sees it: the engine's own KnobState (validated, versioned,
+    the expected version checked), announced to sinks with the scripted clock's time."""
 
     def __init__(self, **knobs):
-        self.knobs = Knobs(**knobs)
-        self.version = 0
+        self.state = KnobState(Knobs(**knobs))
         self.sinks = []
         self.fail = False
 
-    def apply(self, changes, source=SOURCE, at=0.0):
+    @property
+    def knobs(self) -> Knobs:
+        return self.state.knobs
+
+    @property
+    def version(self) -> int:
+        return self.state.snapshot.version
+
+    def apply(self, changes, source=SOURCE, at=0.0, **why):
         if self.fail:
             raise RuntimeError("boom")
-        old = self.knobs
-        self.knobs = old.with_changes(changes)
-        self.version += 1
-        change = KnobChange(self.version, 0, at, {k: old.as_dict()[k] for k in changes}, dict(changes), source)
-        for sink in self.sinks:
-            sink.on_knob_change(change)
+        change = self.state.apply(KnobUpdate(changes, source, **why), iteration=0)
+        if change is not None:
+            change = replace(change, applied_at=at)
+            for sink in self.sinks:
+                sink.on_knob_change(change)
         return change
 
 
-def pilot(spec: str, **knobs) -> tuple[Autopilot, Engine]:
+def pilot(spec: str, fixed: dict | None = None, window_s: float = 30, **knobs) -> tuple[Autopilot, Engine]:
+    """An autopilot on the scripted engine: by the rules alone, or with `fixed`, by simulation."""
     engine = Engine(**knobs)
-    ap = Autopilot(lambda: engine.knobs, engine.apply, parse_spec(spec), window_s=30, cooldown_s=10,
-                   manual_hold_s=60)
+    ap = Autopilot(lambda: engine.state.snapshot, engine.apply, parse_spec(spec),
+                   fixed=(lambda: fixed) if fixed else None, window_s=window_s, cooldown_s=10, manual_hold_s=60)
     engine.sinks.append(ap)
     return ap, engine
 
@@ -216,3 +230,79 @@ def test_serve_flag_is_checked_and_carried():
     assert server_options({"autopilot": args.autopilot}, args)["autopilot"] == args.autopilot
     with pytest.raises(ValueError, match=r"--autopilot 'ttft_p99=x': ttft_p99: must be a positive duration"):
         server_options({"autopilot": "ttft_p99=x"}, args)
+
+
+# -- choosing by simulation -------------------------------------------------------------------------
+# The scripted windows below come from a "true" engine: the replay itself driven by a known linear
+# step-time model, so the window's iterations and requests are consistent and the autopilot's fit
+# recovers that model; what the autopilot predicts for each candidate is then what that engine does.
+
+FIXED = {"model": "scripted", "dtype": "float32", "device": "cpu", "num_blocks": 400, "block_size": 16,
+         "max_model_len": 1024}
+T0 = 1000.0
+
+
+def true_engine(**coefficients: float) -> StepTimeModel:
+    c = {"intercept": 0.02, "decode_rows": 0.002, "prefill_tokens": 0.0001, "prefill_seqs": 0.0,
+         "decode_context_tokens": 0.000001, **coefficients}
+    return StepTimeModel(EngineKey.from_fixed(FIXED), c, 0.001, "true", 0, 0, 0.0, 0.0)
+
+
+def scripted_window(ap: Autopilot, knobs: Knobs, step: StepTimeModel, n: int = 60, rate: float = 4.0,
+                    prompt: int = 64, output: int = 32, keep_iterations: int | None = None) -> float:
+    """Feed `n` requests arriving at `rate` as the true engine served them under `knobs` (only
+    `keep_iterations` of its iterations, from the middle, when given); returns the time the last
+    one finished."""
+    out = replay([SimRequest(i / rate, prompt, output) for i in range(n)], knobs,
+                 CacheShape(FIXED["num_blocks"], FIXED["block_size"], FIXED["max_model_len"]), step)
+    iterations = out.iterations
+    if keep_iterations is not None:
+        iterations = iterations[len(iterations) // 2:][:keep_iterations]
+    for it in iterations:
+        ap.on_iteration(replace(it, started_at=T0 + it.started_at))
+    for r in out.results:
+        sent = T0 + r.sent_at
+        ap.on_request(RequestStats(str(r.index), "api", None, sent, sent, sent + r.ttft, sent + r.e2e, prompt,
+                                   r.output_tokens, "length", 0))
+    return T0 + out.duration_s
+
+
+def test_simulator_raises_max_num_seqs_when_it_binds_with_kv_free():
+    ap, engine = pilot("ttft_p99=1s,max_num_seqs=2..16", fixed=FIXED, window_s=300, max_num_seqs=2)
+    end = scripted_window(ap, engine.knobs, true_engine())
+    move = ap.tick(end + 1)
+    # the rules alone step x1.5 (to 3); the replay shows 3 still queues and 4 meets the target
+    assert move is not None and engine.knobs.max_num_seqs == 4
+    last = ap.view()["moves"][-1]
+    before, after = last["prediction"]["before"], last["prediction"]["after"]
+    assert after["attainment"] >= before["attainment"] + MARGIN and after["ttft_p99"] < 1.0 < before["ttft_p99"]
+    assert {tuple(c["changes"].items()) for c in last["prediction"]["candidates"]} >= {(("max_num_seqs", 3),),
+                                                                                     (("max_num_seqs", 4),)}
+    assert "max_num_seqs 2→4" in last["reason"] and "predicted attainment" in last["reason"]
+
+
+def test_simulator_moves_stay_inside_the_bounds():
+    ap, engine = pilot("ttft_p99=1s,max_num_seqs=2..3", fixed=FIXED, window_s=300, max_num_seqs=2)
+    end = scripted_window(ap, engine.knobs, true_engine())
+    assert ap.tick(end + 1) is not None and engine.knobs.max_num_seqs == 3
+    assert all(c["changes"]["max_num_seqs"] <= 3 for c in ap.view()["moves"][-1]["prediction"]["candidates"])
+
+
+def test_simulator_holds_when_no_candidate_beats_the_knobs_in_force_by_the_margin():
+    # a compute-bound engine: each decode row costs as much as a whole step, so a bigger batch
+    # starts requests sooner but stretches every token past the ITL target: no attainment gained
+    ap, engine = pilot("ttft_p99=1s,itl_p99=80ms,max_num_seqs=2..16", fixed=FIXED, window_s=300, max_num_seqs=2)
+    end = scripted_window(ap, engine.knobs, true_engine(intercept=0.005, decode_rows=0.05))
+    stats = window_stats(list(ap._iterations), list(ap._requests))
+    assert decide(stats, engine.knobs, ap.spec) is not None  # the rules alone would have moved
+    assert ap.tick(end + 1) is None and engine.version == 0
+    decision = ap.view()["last_decision"]["reason"]
+    assert decision.startswith("hold: the best candidate") and "not better enough" in decision
+
+
+def test_too_few_iterations_to_fit_falls_back_to_the_rules_and_says_so():
+    ap, engine = pilot("ttft_p99=1s,max_num_seqs=2..16", fixed=FIXED, window_s=300, max_num_seqs=2)
+    end = scripted_window(ap, engine.knobs, true_engine(), keep_iterations=MIN_ROWS - 5)
+    assert ap.tick(end + 1) is not None and engine.knobs.max_num_seqs == 3  # the rules' x1.5
+    last = ap.view()["moves"][-1]
+    assert "[rules only:" in last["reason"] and last["prediction"] is None
