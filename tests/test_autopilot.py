@@ -3,6 +3,7 @@ directly), and its HTTP switch on the real server."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 
 import httpx
@@ -16,6 +17,8 @@ from appliance.server.autopilot_choice import MARGIN
 from appliance.server.autopilot_policy import SpecError, decide, parse_spec, window_stats
 from appliance.sim.fit import MIN_ROWS, EngineKey, StepTimeModel
 from appliance.sim.replay import CacheShape, SimRequest, replay
+from appliance.telemetry import queries
+from appliance.telemetry.writer import TelemetryWriter
 
 
 def iteration(t: float, duration: float = 0.1, kv: float = 0.3, prefill: int = 0, **held: int) -> IterationStats:
@@ -218,6 +221,29 @@ def test_admin_autopilot_route(live_server):
     assert off.json()["enabled"] is False and off.json()["spec"]["targets"] == {"ttft_p99": 2.0}
 
 
+def test_an_operators_patch_has_no_reason_unless_it_gives_one(live_server):
+    base = live_server.base_url
+    value = httpx.get(f"{base}/admin/knobs").json()["knobs"]["max_num_partial_prefills"]
+    too_long = httpx.patch(f"{base}/admin/knobs", json={"max_num_partial_prefills": value + 1},
+                           headers={"X-Appliance-Reason": "x" * 501})
+    assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "X-Appliance-Reason"
+    assert httpx.get(f"{base}/admin/knobs").json()["knobs"]["max_num_partial_prefills"] == value  # nothing applied
+    given = httpx.patch(f"{base}/admin/knobs", json={"max_num_partial_prefills": value + 1},
+                        headers={"X-Appliance-Reason": "more prompts in flight for the batch job"})
+    plain = httpx.patch(f"{base}/admin/knobs", json={"max_num_partial_prefills": value})
+    assert given.status_code == plain.status_code == 200
+    history = httpx.get(f"{base}/admin/knobs/history").json()["data"]
+    versions = {given.json()["version"], plain.json()["version"]}
+    ours = [(c["source"], c["reason"], c["prediction"]) for c in history if c["version"] in versions]
+    assert ours == [("admin", "more prompts in flight for the batch job", None), ("admin", None, None)]
+    for _ in range(200):  # the telemetry writer flushes in the background: wait for both rows (bounded)
+        stored = [c for c in queries.knob_timeline(live_server.db_url) if c["version"] in versions]
+        if len(stored) == 2:
+            break
+        time.sleep(0.05)
+    assert [(c["reason"], c["prediction"]) for c in stored] == [(r, p) for _, r, p in ours]
+
+
 def test_serve_flag_is_checked_and_carried():
     import argparse
 
@@ -306,3 +332,23 @@ def test_too_few_iterations_to_fit_falls_back_to_the_rules_and_says_so():
     assert ap.tick(end + 1) is not None and engine.knobs.max_num_seqs == 3  # the rules' x1.5
     last = ap.view()["moves"][-1]
     assert "[rules only:" in last["reason"] and last["prediction"] is None
+
+
+def test_a_move_records_its_reason_and_prediction_in_knob_history_and_the_store(tmp_path):
+    url = f"sqlite:///{tmp_path / 'telemetry.db'}"
+    ap, engine = pilot("ttft_p99=1s,max_num_seqs=2..16", fixed=FIXED, window_s=300, max_num_seqs=2)
+    with TelemetryWriter(url, "r1", flush_interval_s=0.05) as writer:
+        engine.sinks.append(writer)
+        engine.apply({"max_num_batched_tokens": 1024}, source="admin", at=-1.0)  # a person's, no reason
+        end = scripted_window(ap, engine.knobs, true_engine())
+        assert ap.tick(end + 1) is not None
+        assert writer.flush(10)
+    history = engine.state.snapshot.history
+    assert [(c.source, c.reason) for c in history[:1]] == [("admin", None)]
+    move = history[-1]
+    assert move.source == SOURCE and move.reason == ap.view()["moves"][-1]["reason"]
+    assert "predicted attainment" in move.reason
+    assert move.prediction["after"]["attainment"] > move.prediction["before"]["attainment"]
+    stored = queries.knob_timeline(url)
+    assert [(c["source"], c["reason"], c["prediction"]) for c in stored] == [
+        ("admin", None, None), ("autopilot", move.reason, move.prediction)]

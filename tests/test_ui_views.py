@@ -378,6 +378,18 @@ def test_only_the_newest_knob_changes_carry_their_label():
     assert [a.hovertext for a in fig.layout.annotations][0] == "v1: max_num_seqs 1→2"
 
 
+def test_an_autopilot_marker_carries_its_reason_on_hover():
+    import plotly.graph_objects as go
+
+    move = {"version": 2, "applied_at": time.time(), "old": {"max_num_seqs": 8}, "new": {"max_num_seqs": 12},
+            "source": "autopilot", "reason": "max_num_seqs 8→12: TTFT p99 2.0 s > target 1.0 s; predicted x → y"}
+    fig = charts.mark_knob_changes(go.Figure(), [move, {**move, "version": 3, "source": "admin", "reason": None}])
+    hover = [a.hovertext for a in fig.layout.annotations]
+    assert hover[0] == ("v2 (autopilot): max_num_seqs 8→12<br>max_num_seqs 8→12: TTFT p99 2.0 s &gt; target 1.0 s"
+                        "<br>predicted x → y")
+    assert hover[1] == "v3: max_num_seqs 8→12"  # an operator's change without a reason: the label alone
+
+
 # ------------------------------------------------------------------------ live refresh sharing
 
 
