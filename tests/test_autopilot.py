@@ -185,6 +185,24 @@ def test_a_manual_change_while_deciding_drops_the_decision():
     assert ap.tick(1000.0) is None and engine.knobs.max_num_seqs == 8 and engine.version == 1
 
 
+def test_a_manual_change_reaching_the_engine_first_wins_over_a_decision_already_sent():
+    # the operator's PATCH lands after the autopilot's last check but before its move reaches the
+    # engine's knob owner: the move carries the version it was decided on and is refused
+    ap, engine = pilot("ttft_p99=1s", max_num_seqs=8)
+    feed(ap, 990.0, ttft=2.0, max_num_seqs=3)
+    autopilot_apply = ap._apply
+
+    def patch_first(changes, **why):
+        engine.apply({"max_num_seqs": 6}, source="admin", at=999.5)
+        return autopilot_apply(changes, **why)
+
+    ap._apply = patch_first
+    assert ap.tick(1000.0) is None
+    assert engine.knobs.max_num_seqs == 6 and [c.source for c in engine.state.snapshot.history] == ["admin"]
+    assert ap.view()["moves"] == [] and ap.view()["last_decision"]["reason"].startswith("dropped")
+    assert ap.view()["enabled"] is True  # a lost race is not an error
+
+
 def test_a_controller_failure_turns_it_off_without_raising():
     ap, engine = pilot("ttft_p99=1s", max_num_seqs=8)
     engine.fail = True
