@@ -17,6 +17,7 @@ from appliance.records import HoldCause
 from appliance.telemetry import request_split
 from ui import charts, holding, live_tab, reports, runs_tab, slow_requests
 from ui.api_client import ApiError, ChatStats, _take_chat_event
+from ui.autopilot_switch import autopilot_markdown, spec_text
 from ui.chat_tab import build_messages, message_text, stats_row
 from ui.knobs_panel import (
     KNOB_NAMES,
@@ -462,3 +463,33 @@ def test_sessions_refreshing_in_one_tick_share_one_build_and_new_telemetry_shows
     # a paused view sends nothing and builds nothing
     assert tab.tick("1m", True, later[n], "", None)[:n] == [gr.skip()] * n and tab.cache.builds == 2
     engine.dispose()
+
+
+# ------------------------------------------------------------------------------------- autopilot
+
+
+def test_the_autopilot_status_shows_targets_last_move_and_why_it_turned_itself_off():
+    from appliance.engine import Knobs
+    from appliance.engine.knobs import KnobSnapshot
+    from appliance.server.autopilot import Autopilot
+    from appliance.server.autopilot_choice import Choice
+    from appliance.server.autopilot_policy import Move, parse_spec
+
+    spec = parse_spec("ttft_p99=1s,itl_p99=150ms,max_num_seqs=8..128")
+    view = {"enabled": True, "status": "watching", "error": None, "spec": spec.as_dict(),
+            "moves": [{"at": 0.0, "version": 3, "changes": {"max_num_seqs": 12}, "reason": "max_num_seqs 8→12: why"}],
+            "last_decision": {"at": 10.0, "reason": "hold: targets met"}}
+    text = autopilot_markdown(view)
+    assert text.startswith("**Autopilot on** (watching). Targets: ttft_p99 1 s, itl_p99 0.15 s. "
+                           "Bounds: max_num_seqs 8..128.")
+    assert "Last move (v3, " in text and "): max_num_seqs 8→12: why" in text
+    assert "): hold: targets met" in text
+    assert parse_spec(spec_text(view)) == spec  # what the switch sends back is the same spec
+
+    def broken(changes, **why):
+        raise RuntimeError("boom")
+
+    failing = Autopilot(lambda: KnobSnapshot(Knobs(max_num_seqs=8)), broken, spec)
+    failing._choose = lambda *args: Choice(Move({"max_num_seqs": 12}, "r"), "r")  # a move is due: apply fails
+    failing.tick(100.0)
+    assert autopilot_markdown(failing.view()).startswith("**Autopilot off** — turned itself off: RuntimeError: boom.")

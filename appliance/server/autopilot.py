@@ -57,6 +57,7 @@ class Autopilot(StatsSink):
         self.status = "watching" if self.enabled else "off"
         self.moves: deque[dict[str, Any]] = deque(maxlen=HISTORY)
         self.last_decision: dict[str, Any] | None = None  # {"at", "reason"} of the latest decision
+        self.error: str | None = None  # why it turned itself off (cleared when switched on again)
         self._iterations: deque[IterationStats] = deque()
         self._requests: deque[RequestStats] = deque()
         self._lock = threading.Lock()
@@ -94,10 +95,12 @@ class Autopilot(StatsSink):
                     raise ValueError("the autopilot needs targets before it can be switched on")
                 self.enabled = enabled
                 self.status = "watching" if enabled else "off"
+                if enabled:
+                    self.error = None
 
     def view(self) -> dict[str, Any]:
         with self._lock:
-            return {"enabled": self.enabled, "status": self.status,
+            return {"enabled": self.enabled, "status": self.status, "error": self.error,
                     "spec": self.spec.as_dict() if self.spec else None,
                     "window_s": self.window_s, "cooldown_s": self.cooldown_s, "manual_hold_s": self.manual_hold_s,
                     "simulator": self._fixed is not None, "last_decision": self.last_decision,
@@ -157,7 +160,8 @@ class Autopilot(StatsSink):
             log.exception("autopilot failed; switching it off")
             with self._lock:
                 self.enabled = False
-                self.status = f"off after an error: {type(exc).__name__}: {exc}"
+                self.error = f"{type(exc).__name__}: {exc}"
+                self.status = f"off after an error: {self.error}"
             return None
 
     def _choose(self, iterations: list[IterationStats], requests: list[RequestStats], knobs: Any, spec: Spec,
