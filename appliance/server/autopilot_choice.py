@@ -99,6 +99,16 @@ def candidates(w: WindowStats, knobs: Knobs, spec: Spec, last_raise: Mapping[str
     return list(unique.values())[:MAX_CANDIDATES]
 
 
+def nothing_helps(w: WindowStats) -> str:
+    """Why no candidate exists although a target is missed."""
+    total = sum(w.held_s.values())
+    if total <= 0:
+        return "a target is missed but no limit held queued requests (the time is compute, not queueing)"
+    if max(w.held_s, key=lambda c: w.held_s[c]) is HoldCause.KV_BLOCKS:
+        return "queueing was held mostly by free KV blocks: no knob here adds memory"
+    return "every knob that could help is at its bound"
+
+
 def sim_requests(requests: Sequence[RequestStats]) -> list[SimRequest]:
     """The window's finished requests (the newest MAX_REQUESTS) as replay requests, arrivals
     from the first one's; aborted ones are cancelled when they were."""
@@ -122,9 +132,7 @@ def choose(iterations: Sequence[IterationStats], requests: Sequence[RequestStats
         return Choice(None, f"hold: {w.requests} finished request(s) in the window, at least {MIN_REQUESTS} needed")
     moves = candidates(w, knobs, spec, last_raise)
     if not moves:
-        return Choice(None, "hold: " + ("no knob within the bounds can help (queueing held by free KV blocks, or "
-                                        "every knob at its bound)" if any(over_targets(w, spec))
-                                        else "targets met"))
+        return Choice(None, "hold: " + (nothing_helps(w) if any(over_targets(w, spec)) else "targets met"))
     rule = decide(w, knobs, spec, dict(last_raise or {}))
     try:
         model = fit_step_time([it.as_dict() for it in iterations], EngineKey.from_fixed(fixed))
