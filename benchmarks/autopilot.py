@@ -12,9 +12,9 @@ One `appliance serve` on 127.0.0.1, three ways, in this order:
      short warm-up; the server is fresh, so no operator change holds it);
   B. the default knobs, autopilot off;
   C. the best fixed knobs of a small grid: the grid ranked in simulation on run B's own
-     iterations (what `appliance tune --simulate` does), the top --verify points measured live,
-     the best of those by the sweep's rule (meets the SLO for --attainment of requests, then
-     goodput).
+     iterations (what `appliance tune --simulate` does), the top --verify points measured live;
+     the best fixed setting is the best of those and the defaults (run B, a point of the grid)
+     by the sweep's rule (meeting the SLO for --attainment of requests first, then goodput).
 Prints, per way, goodput (share of requests within the SLO, and requests/s) and output
 throughput, then the autopilot's moves with their time and reason. Not a test: the figures
 depend on the machine and its load.
@@ -39,7 +39,7 @@ from appliance.bench.loadgen import LoadGenerator
 from appliance.bench.metrics import SLO, parse_slo
 from appliance.bench.report.data import wait_for_server_rows
 from appliance.bench.runner import BenchmarkRun, run_benchmark
-from appliance.bench.tune import Grid, run_sweep
+from appliance.bench.tune import TUNED, Grid, run_sweep
 from appliance.bench.workloads import BenchRequest, skewed_corpus_ids
 from appliance.engine.knobs import Knobs
 from appliance.sim import whatif
@@ -91,10 +91,10 @@ def figures(run: BenchmarkRun) -> dict[str, float]:
             "output_throughput": s.output_throughput, "ttft_p99": s.ttft.p99 or 0.0, "tpot_p99": s.tpot.p99 or 0.0}
 
 
-def best_fixed(url: str, db: str, requests: list[BenchRequest], slo: SLO, fit_run: str, verify: int,
-               attainment: float) -> tuple[dict[str, int], dict[str, float] | None]:
-    """The grid ranked in simulation on `fit_run`, the top `verify` measured live; the sweep's
-    recommendation (or its best measured point when none meets the SLO) and its figures."""
+def verified_points(url: str, db: str, requests: list[BenchRequest], slo: SLO, fit_run: str, verify: int,
+                    attainment: float) -> list[tuple[dict[str, int], dict[str, float]]]:
+    """The grid ranked in simulation on `fit_run`'s iterations, the top `verify` measured live:
+    [(knobs, figures)] of each point measured."""
     run = load_run(db, fit_run)
     model = whatif.fit_for_run(db, run)
     sim = whatif.workload_requests(requests, None, 0)
@@ -104,13 +104,16 @@ def best_fixed(url: str, db: str, requests: list[BenchRequest], slo: SLO, fit_ru
     result = run_sweep(requests, slo, base_url=url, grid=GRID, points=[p.knobs for p in ranked[:verify]],
                        attainment=attainment, db_url=db, workload="shifting",
                        progress=lambda line: print(line, file=sys.stderr, flush=True))
-    measured = [p for p in result.points if p.status == "ok"]
-    if not measured:
-        return ranked[0].knobs, None
-    best = result.recommendation or max(measured, key=lambda p: (p.attainment or 0.0, p.output_throughput or 0.0))
-    return best.knobs, {"attainment": best.attainment or 0.0, "goodput": best.goodput or 0.0,
-                        "output_throughput": best.output_throughput or 0.0, "ttft_p99": best.ttft_p99 or 0.0,
-                        "tpot_p99": best.itl_p99 or 0.0}
+    return [(p.knobs, {"attainment": p.attainment or 0.0, "goodput": p.goodput or 0.0,
+                       "output_throughput": p.output_throughput or 0.0, "ttft_p99": p.ttft_p99 or 0.0,
+                       "tpot_p99": p.itl_p99 or 0.0}) for p in result.points if p.status == "ok"]
+
+
+def best(measured: list[tuple[str, dict[str, float]]], attainment: float) -> tuple[str, dict[str, float]]:
+    """The sweep's rule: meeting the SLO (`attainment` of requests within it) first, then goodput,
+    then output throughput."""
+    return max(measured, key=lambda m: (m[1]["attainment"] >= attainment, m[1]["goodput"],
+                                        m[1]["output_throughput"]))
 
 
 def autopilot_spec(slo: SLO) -> str:
@@ -135,28 +138,27 @@ def main() -> int:
     with server_process(*SERVE_ARGS) as server:
         url, db = server.base_url, server.db_url
         asyncio.run(LoadGenerator(requests[:4], base_url=url).run())  # warm up (not measured)
-        on = httpx.patch(f"{url}/admin/autopilot", json={"enabled": True, "spec": autopilot_spec(args.slo)}, timeout=30)
-        on.raise_for_status()
+        spec = {"enabled": True, "spec": autopilot_spec(args.slo)}
+        httpx.patch(f"{url}/admin/autopilot", json=spec, timeout=30).raise_for_status()
         pilot = measure(url, db, requests, args.slo, "autopilot from defaults")
         view = httpx.patch(f"{url}/admin/autopilot", json={"enabled": False}, timeout=30).json()
         patch_knobs(url, defaults)
         default_run = measure(url, db, requests, args.slo, "default knobs")
-        fixed_knobs, fixed = best_fixed(url, db, requests, args.slo, default_run.run_id, args.verify, args.attainment)
-    rows: list[tuple[str, dict[str, float] | None]] = [
-        ("default knobs", figures(default_run)), (f"best fixed ({fixed_knobs})", fixed),
-        ("autopilot from defaults", figures(pilot))]
+        verified = verified_points(url, db, requests, args.slo, default_run.run_id, args.verify, args.attainment)
+    tuned = {k: defaults[k] for k in TUNED}
+    fixed_name, fixed = best([(str(tuned), figures(default_run)), *((str(k), f) for k, f in verified)],
+                             args.attainment)
+    rows = [("default knobs", figures(default_run)), *((f"grid point {k}", f) for k, f in verified),
+            (f"best fixed: {fixed_name}", fixed), ("autopilot from defaults", figures(pilot))]
     print(f"\nSLO {args.slo} (attainment = share of requests within it); {time.time() - started:.0f} s in all")
-    print(f"{'way':<80} {'attain':>7} {'goodput':>9} {'out tok/s':>10} {'TTFT p99':>9} {'TPOT p99':>9}")
+    print(f"{'way':<84} {'attain':>7} {'goodput':>9} {'out tok/s':>10} {'TTFT p99':>9} {'TPOT p99':>9}")
     for name, f in rows:
-        if f is None:
-            print(f"{name:<80} (no live measurement)")
-            continue
-        print(f"{name:<80} {f['attainment']:>7.1%} {f['goodput']:>7.2f}/s {f['output_throughput']:>10.1f} "
+        print(f"{name:<84} {f['attainment']:>7.1%} {f['goodput']:>7.2f}/s {f['output_throughput']:>10.1f} "
               f"{f['ttft_p99']:>8.2f}s {f['tpot_p99'] * 1000:>7.0f}ms")
     base = figures(default_run)["attainment"]
     if base > 0:
         print(f"autopilot attainment / defaults': {figures(pilot)['attainment'] / base:.2f}x")
-    if fixed is not None and fixed["attainment"] > 0:
+    if fixed["attainment"] > 0:
         print(f"autopilot attainment / best fixed's: {figures(pilot)['attainment'] / fixed['attainment']:.2f}x")
     print(f"\nautopilot moves ({len(view['moves'])}):")
     for move in view["moves"]:

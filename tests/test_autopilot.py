@@ -340,8 +340,9 @@ def test_simulator_holds_when_no_candidate_beats_the_knobs_in_force_by_the_margi
     stats = window_stats(list(ap._iterations), list(ap._requests))
     assert decide(stats, engine.knobs, ap.spec) is not None  # the rules alone would have moved
     assert ap.tick(end + 1) is None and engine.version == 0
-    decision = ap.view()["last_decision"]["reason"]
-    assert decision.startswith("hold: the best candidate") and "not better enough" in decision
+    decision = ap.view()["last_decision"]
+    assert decision["reason"].startswith("hold: the best candidate") and "not better enough" in decision["reason"]
+    assert ap.tick(end + 3) is None and ap.view()["last_decision"] == decision  # one round of replays per cooldown
 
 
 def test_too_few_iterations_to_fit_falls_back_to_the_rules_and_says_so():
@@ -350,6 +351,19 @@ def test_too_few_iterations_to_fit_falls_back_to_the_rules_and_says_so():
     assert ap.tick(end + 1) is not None and engine.knobs.max_num_seqs == 3  # the rules' x1.5
     last = ap.view()["moves"][-1]
     assert "[rules only:" in last["reason"] and last["prediction"] is None
+
+
+def test_a_replay_that_misses_the_measured_attainment_leaves_the_choice_to_the_rules():
+    ap, engine = pilot("ttft_p99=1s,max_num_seqs=2..16", fixed=FIXED, window_s=300, max_num_seqs=2)
+    end = scripted_window(ap, engine.knobs, true_engine(), rate=2.5)
+    # the server measured these requests from 5 s earlier arrivals (they queued before the window
+    # began): the window's iterations cannot explain that wait, so the replay is not trusted
+    ap._requests = type(ap._requests)(replace(r, arrival=r.arrival - 5.0) for r in ap._requests)
+    assert ap.tick(end + 1) is not None and engine.knobs.max_num_seqs == 3  # the rules' x1.5
+    last = ap.view()["moves"][-1]
+    assert last["prediction"] is None
+    assert last["reason"].endswith("[rules only: the replay of the knobs in force predicts 100% within the targets, "
+                                   "0% was measured]")
 
 
 def test_a_move_records_its_reason_and_prediction_in_knob_history_and_the_store(tmp_path):

@@ -4,13 +4,13 @@ iteration boundary, in knob history with source "autopilot", its reason and its 
 Given the engine's fixed settings it chooses with the what-if simulator fitted on the window
 (autopilot_choice); without them, by the rules alone (autopilot_policy).
 
-Guarantees: every move stays inside the operator's bounds (autopilot_policy); at most one move
-per `cooldown_s`; a knob changed by anyone else pauses it for `manual_hold_s` and a decision
-taken before that change is dropped (checked before applying, and by the engine itself: the
-move carries the knob version it was decided on, KnobConflict when that is stale); switching it
-off stops it before its next move; any error in the controller is logged and turns it off
-(serving is never touched: it decides, simulations included, in its own thread and only ever
-submits knob changes).
+Guarantees: every move stays inside the operator's bounds (autopilot_policy); at most one move,
+and one round of simulations (they share the CPU with serving), per `cooldown_s`; a knob changed
+by anyone else pauses it for `manual_hold_s` and a decision taken before that change is dropped
+(checked before applying, and by the engine itself: the move carries the knob version it was
+decided on, KnobConflict when that is stale); switching it off stops it before its next move;
+any error in the controller is logged and turns it off (serving is never touched: it decides,
+simulations included, in its own thread and only ever submits knob changes).
 """
 
 from __future__ import annotations
@@ -62,6 +62,7 @@ class Autopilot(StatsSink):
         self._requests: deque[RequestStats] = deque()
         self._lock = threading.Lock()
         self._last_move_at = float("-inf")
+        self._last_sim_at = float("-inf")  # replays cost CPU beside the engine: one round per cooldown
         self._manual_at = float("-inf")
         self._manual_seq = 0  # counts knob changes by others; a decision spanning one is dropped
         self._last_raise: dict[str, int] = {}
@@ -119,14 +120,16 @@ class Autopilot(StatsSink):
                     self.status = "holding: a knob was changed by hand"
                     return None
                 self.status = "watching"
-                if now - self._last_move_at < self.cooldown_s:
-                    return None
+                if now - max(self._last_move_at, self._last_sim_at) < self.cooldown_s:
+                    return None  # at most one move, and one simulated decision, per cooldown
                 iterations, requests = list(self._iterations), list(self._requests)
                 seq, spec, last_raise = self._manual_seq, self.spec, dict(self._last_raise)
             snap = self._knobs()
             choice = self._choose(iterations, requests, snap.knobs, spec, last_raise)
             with self._lock:
                 self.last_decision = {"at": now, "reason": choice.reason}
+                if choice.prediction is not None:
+                    self._last_sim_at = now
                 if choice.move is None or not self.enabled or seq != self._manual_seq:
                     return None  # nothing to do, or switched off / a person changed knobs while deciding
             move = choice.move

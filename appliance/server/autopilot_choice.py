@@ -2,8 +2,9 @@
 operator's bounds); the what-if simulator, fitted on the window's own iterations, replays the
 window's finished requests under the knobs in force and under each candidate; the candidate with
 the best predicted SLO attainment is chosen only if it beats the knobs in force by a margin
-(hysteresis). Too few iterations to fit: the rules alone decide (the reason says so). A replay
-that cannot run: hold. Replays are bounded (the newest MAX_REQUESTS requests, a time budget
+(hysteresis). Too few iterations to fit, or a replay of the knobs in force that misses the
+attainment measured on the same requests by more than CALIBRATION: the rules alone decide (the
+reason says so). A replay that cannot run: hold. Replays are bounded (the newest MAX_REQUESTS requests, a time budget
 checked between replays) and run in the caller's thread (the autopilot's, never the engine's).
 """
 
@@ -15,9 +16,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from appliance.bench.metrics import SLO
+from appliance.bench.metrics import SLO, RequestResult
 from appliance.engine.knobs import Knobs
-from appliance.records import FinishReason, HoldCause, IterationStats, RequestStats
+from appliance.records import COMPLETED_REASONS, FinishReason, HoldCause, IterationStats, RequestStats
 from appliance.sim.fit import MIN_ROWS, EngineKey, FitError, fit_step_time
 from appliance.sim.replay import CacheShape, ReplayError, SimRequest, replay
 
@@ -28,6 +29,10 @@ P99_MARGIN = 0.2  # ...or, at no loss of attainment, cut the worst target's pred
 MAX_CANDIDATES = 4
 MAX_REQUESTS = 300  # the window's newest finished requests are replayed (~1 s per 200 on this CPU)
 BUDGET_S = 5.0  # no replay starts after this long
+# the replay of the knobs in force must land within this share of requests of the measured
+# attainment; else the window does not explain its own latency (load from before it, requests
+# still in flight, a machine whose speed moved) and the rules decide alone
+CALIBRATION = 0.25
 # the raises tried for the limit that held queued requests (the rules' own step comes first)
 RAISES: dict[HoldCause, Callable[[int], list[int]]] = {
     HoldCause.MAX_NUM_SEQS: lambda v: [math.ceil(v * 1.5), v * 2],
@@ -109,17 +114,28 @@ def nothing_helps(w: WindowStats) -> str:
     return "every knob that could help is at its bound"
 
 
-def sim_requests(requests: Sequence[RequestStats]) -> list[SimRequest]:
-    """The window's finished requests (the newest MAX_REQUESTS) as replay requests, arrivals
-    from the first one's; aborted ones are cancelled when they were."""
-    done = sorted((r for r in requests if r.output_tokens >= 1 or r.finish_reason == FinishReason.ABORT),
+def replayable(requests: Sequence[RequestStats]) -> list[RequestStats]:
+    """The window's finished requests that a replay can carry (the newest MAX_REQUESTS)."""
+    return sorted((r for r in requests if r.output_tokens >= 1 or r.finish_reason == FinishReason.ABORT),
                   key=lambda r: r.arrival)[-MAX_REQUESTS:]
-    if not done:
-        return []
-    t0 = done[0].arrival
+
+
+def sim_requests(done: Sequence[RequestStats]) -> list[SimRequest]:
+    """Requests as replay requests, arrivals from the first one's; aborted ones are cancelled
+    when they were."""
+    t0 = done[0].arrival if done else 0.0
     return [SimRequest(r.arrival - t0, max(1, r.prompt_tokens),
                        max(1, r.output_tokens + (r.finish_reason == FinishReason.ABORT)),
                        r.finished - t0 if r.finish_reason == FinishReason.ABORT else None) for r in done]
+
+
+def measured_attainment(done: Sequence[RequestStats], slo: SLO) -> float:
+    """The share of `done` that met `slo` as the server measured them (from arrival)."""
+    met = sum(slo.met_by(RequestResult(
+        index=i, sent_at=r.arrival, ok=r.finish_reason in COMPLETED_REASONS, output_tokens=r.output_tokens,
+        ttft=None if r.first_token is None else r.first_token - r.arrival, e2e=r.finished - r.arrival))
+        for i, r in enumerate(done))
+    return met / max(1, len(done))
 
 
 def choose(iterations: Sequence[IterationStats], requests: Sequence[RequestStats], knobs: Knobs, spec: Spec,
@@ -137,12 +153,12 @@ def choose(iterations: Sequence[IterationStats], requests: Sequence[RequestStats
     try:
         model = fit_step_time([it.as_dict() for it in iterations], EngineKey.from_fixed(fixed))
     except FitError as exc:
-        if rule is None:
-            return Choice(None, f"hold: the rules propose nothing and the simulator cannot fit ({exc})")
-        return Choice(rule, f"{rule.reason} [rules only: {exc} in the window (the simulator needs {MIN_ROWS})]")
+        return rules_only(rule, f"{exc} in the window (the simulator needs {MIN_ROWS})")
     cache = CacheShape(int(fixed["num_blocks"]), int(fixed["block_size"]), int(fixed["max_model_len"]))
     slo = SLO(ttft=spec.targets.get("ttft_p99"), tpot=spec.targets.get("itl_p99"))
-    reqs = sim_requests(requests)
+    done = replayable(requests)
+    reqs = sim_requests(done)
+    measured = measured_attainment(done, slo)
     started = clock()
 
     def forecast(k: Knobs) -> Forecast:
@@ -151,6 +167,9 @@ def choose(iterations: Sequence[IterationStats], requests: Sequence[RequestStats
 
     try:
         base = forecast(knobs)
+        if abs(base.attainment - measured) > CALIBRATION:  # the window does not explain what was measured
+            return rules_only(rule, f"the replay of the knobs in force predicts {base.attainment:.0%} within the "
+                                    f"targets, {measured:.0%} was measured")
         tried: list[tuple[Move, Forecast]] = []
         for m in moves:
             if clock() - started > budget_s:
@@ -159,14 +178,28 @@ def choose(iterations: Sequence[IterationStats], requests: Sequence[RequestStats
     except ReplayError as exc:
         return Choice(None, f"hold: the simulation failed ({exc})")
     prediction: dict[str, Any] = {
-        "before": asdict(base), "requests": len(reqs), "model_heldout_mape": model.heldout_mape,
+        "measured_attainment": measured, "before": asdict(base), "requests": len(reqs),
+        "model_heldout_mape": model.heldout_mape,
         "candidates": [{"changes": m.changes, **asdict(f)} for m, f in tried],
         "skipped": [m.changes for m in moves[len(tried):]]}
     if not tried:
         return Choice(None, f"hold: the time budget ({budget_s:g} s) ran out before any candidate", prediction)
+    return weigh(w, spec, base, tried, prediction)
+
+
+def rules_only(rule: Move | None, why: str) -> Choice:
+    """The rules' move when the simulator cannot be used (`why`), or a hold when they have none."""
+    if rule is None:
+        return Choice(None, f"hold: the rules propose nothing and the simulator is not used ({why})")
+    return Choice(rule, f"{rule.reason} [rules only: {why}]")
+
+
+def weigh(w: WindowStats, spec: Spec, base: Forecast, tried: Sequence[tuple[Move, Forecast]],
+          prediction: dict[str, Any]) -> Choice:
+    """The best candidate if it beats the knobs in force by the margin (a give-back: if it loses
+    nothing and keeps the targets), else hold."""
     best, after = max(tried, key=lambda mf: (mf[1].attainment, -mf[1].worst_ratio(spec)))
-    relaxing = not any(over_targets(w, spec))  # the rules give a raise back: it must lose nothing
-    if relaxing:
+    if not any(over_targets(w, spec)):  # the rules give a raise back
         wins = after.attainment >= base.attainment and after.worst_ratio(spec) <= 1
     else:
         wins = (after.attainment >= base.attainment + MARGIN
