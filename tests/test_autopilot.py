@@ -353,6 +353,17 @@ def test_too_few_iterations_to_fit_falls_back_to_the_rules_and_says_so():
     assert "[rules only:" in last["reason"] and last["prediction"] is None
 
 
+def test_the_simulating_autopilot_stops_when_off_and_yields_to_a_manual_change():
+    ap, engine = pilot("ttft_p99=1s,max_num_seqs=2..16", fixed=FIXED, window_s=300, max_num_seqs=2)
+    end = scripted_window(ap, engine.knobs, true_engine())
+    ap.configure(enabled=False)
+    assert ap.tick(end + 1) is None and engine.version == 0 and ap.view()["last_decision"] is None  # nothing ran
+    ap.configure(enabled=True)
+    engine.apply({"max_num_seqs": 3}, source="admin", at=end)  # an operator's PATCH
+    assert ap.tick(end + 1) is None and ap.view()["status"].startswith("holding")
+    assert engine.knobs.max_num_seqs == 3 and ap.view()["last_decision"] is None
+
+
 def test_a_replay_that_misses_the_measured_attainment_leaves_the_choice_to_the_rules():
     ap, engine = pilot("ttft_p99=1s,max_num_seqs=2..16", fixed=FIXED, window_s=300, max_num_seqs=2)
     end = scripted_window(ap, engine.knobs, true_engine(), rate=2.5)
