@@ -307,7 +307,7 @@ def scripted_window(ap: Autopilot, knobs: Knobs, step: StepTimeModel, n: int = 6
     for r in out.results:
         sent = T0 + r.sent_at
         ap.on_request(RequestStats(str(r.index), "api", None, sent, sent, sent + r.ttft, sent + r.e2e, prompt,
-                                   r.output_tokens, "length", 0))
+                                   r.output_tokens, "length", 0, 0))
     return T0 + out.duration_s
 
 
