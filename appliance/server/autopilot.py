@@ -128,7 +128,7 @@ class Autopilot(StatsSink):
             choice = self._choose(iterations, requests, snap.knobs, spec, last_raise)
             with self._lock:
                 self.last_decision = {"at": now, "reason": choice.reason}
-                if choice.prediction is not None:
+                if choice.simulated:
                     self._last_sim_at = now
                 if choice.move is None or not self.enabled or seq != self._manual_seq:
                     return None  # nothing to do, or switched off / a person changed knobs while deciding

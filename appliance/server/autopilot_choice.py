@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from appliance.bench.metrics import SLO, RequestResult
@@ -69,6 +69,7 @@ class Choice:
     move: Move | None
     reason: str
     prediction: dict[str, Any] | None = None
+    simulated: bool = False  # a replay ran (the controller spaces these out)
 
 
 def over_targets(w: WindowStats, spec: Spec) -> tuple[bool, bool]:
@@ -168,23 +169,23 @@ def choose(iterations: Sequence[IterationStats], requests: Sequence[RequestStats
     try:
         base = forecast(knobs)
         if abs(base.attainment - measured) > CALIBRATION:  # the window does not explain what was measured
-            return rules_only(rule, f"the replay of the knobs in force predicts {base.attainment:.0%} within the "
-                                    f"targets, {measured:.0%} was measured")
+            return replace(rules_only(rule, f"the replay of the knobs in force predicts {base.attainment:.0%} "
+                                            f"within the targets, {measured:.0%} was measured"), simulated=True)
         tried: list[tuple[Move, Forecast]] = []
         for m in moves:
             if clock() - started > budget_s:
                 break
             tried.append((m, forecast(knobs.with_changes(m.changes))))
     except ReplayError as exc:
-        return Choice(None, f"hold: the simulation failed ({exc})")
+        return Choice(None, f"hold: the simulation failed ({exc})", simulated=True)
     prediction: dict[str, Any] = {
         "measured_attainment": measured, "before": asdict(base), "requests": len(reqs),
         "model_heldout_mape": model.heldout_mape,
         "candidates": [{"changes": m.changes, **asdict(f)} for m, f in tried],
         "skipped": [m.changes for m in moves[len(tried):]]}
     if not tried:
-        return Choice(None, f"hold: the time budget ({budget_s:g} s) ran out before any candidate", prediction)
-    return weigh(w, spec, base, tried, prediction)
+        return Choice(None, f"hold: the time budget ({budget_s:g} s) ran out before any candidate", prediction, True)
+    return replace(weigh(w, spec, base, tried, prediction), simulated=True)
 
 
 def rules_only(rule: Move | None, why: str) -> Choice:
