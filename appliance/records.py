@@ -152,7 +152,9 @@ class RequestStats:
 
 @dataclass(frozen=True)
 class KnobChange:
-    """One applied knob change: what changed, and the iteration at which it took effect."""
+    """One applied knob change: what changed, and the iteration at which it took effect; who
+    changed it, why (the autopilot always says; a person may) and, for the autopilot's moves, what
+    the simulator predicted (e.g. {"before": {...}, "after": {...}} of attainment and p99s)."""
 
     version: int
     iteration: int  # first iteration that ran with the new values
@@ -160,6 +162,8 @@ class KnobChange:
     old: dict[str, Any]
     new: dict[str, Any]
     source: str
+    reason: str | None = None
+    prediction: dict[str, Any] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

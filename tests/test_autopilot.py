@@ -3,13 +3,22 @@ directly), and its HTTP switch on the real server."""
 
 from __future__ import annotations
 
+import time
+from dataclasses import replace
+
 import httpx
 import pytest
 
 from appliance.engine import Knobs
-from appliance.records import ITERATION_METRICS, HoldCause, IterationStats, KnobChange, RequestStats
+from appliance.engine.knobs import KnobState, KnobUpdate
+from appliance.records import ITERATION_METRICS, HoldCause, IterationStats, RequestStats
 from appliance.server.autopilot import SOURCE, Autopilot
-from appliance.server.autopilot_policy import SpecError, parse_spec
+from appliance.server.autopilot_choice import MARGIN
+from appliance.server.autopilot_policy import SpecError, decide, parse_spec, window_stats
+from appliance.sim.fit import MIN_ROWS, EngineKey, StepTimeModel
+from appliance.sim.replay import CacheShape, SimRequest, replay
+from appliance.telemetry import queries
+from appliance.telemetry.writer import TelemetryWriter
 
 
 def iteration(t: float, duration: float = 0.1, kv: float = 0.3, prefill: int = 0, **held: int) -> IterationStats:
@@ -25,30 +34,38 @@ def request(t: float, ttft: float, itl: float = 0.02, out: int = 11) -> RequestS
 
 
 class Engine:
-    """The knob path as the autopilot sees it: validated, versioned, announced to sinks."""
+    """The knob path as the autopilot sees it: the engine's own KnobState (validated, versioned,
+    the expected version checked), announced to sinks with the scripted clock's time."""
 
     def __init__(self, **knobs):
-        self.knobs = Knobs(**knobs)
-        self.version = 0
+        self.state = KnobState(Knobs(**knobs))
         self.sinks = []
         self.fail = False
 
-    def apply(self, changes, source=SOURCE, at=0.0):
+    @property
+    def knobs(self) -> Knobs:
+        return self.state.knobs
+
+    @property
+    def version(self) -> int:
+        return self.state.snapshot.version
+
+    def apply(self, changes, source=SOURCE, at=0.0, **why):
         if self.fail:
             raise RuntimeError("boom")
-        old = self.knobs
-        self.knobs = old.with_changes(changes)
-        self.version += 1
-        change = KnobChange(self.version, 0, at, {k: old.as_dict()[k] for k in changes}, dict(changes), source)
-        for sink in self.sinks:
-            sink.on_knob_change(change)
+        change = self.state.apply(KnobUpdate(changes, source, **why), iteration=0)
+        if change is not None:
+            change = replace(change, applied_at=at)
+            for sink in self.sinks:
+                sink.on_knob_change(change)
         return change
 
 
-def pilot(spec: str, **knobs) -> tuple[Autopilot, Engine]:
+def pilot(spec: str, fixed: dict | None = None, window_s: float = 30, **knobs) -> tuple[Autopilot, Engine]:
+    """An autopilot on the scripted engine: by the rules alone, or with `fixed`, by simulation."""
     engine = Engine(**knobs)
-    ap = Autopilot(lambda: engine.knobs, engine.apply, parse_spec(spec), window_s=30, cooldown_s=10,
-                   manual_hold_s=60)
+    ap = Autopilot(lambda: engine.state.snapshot, engine.apply, parse_spec(spec),
+                   fixed=(lambda: fixed) if fixed else None, window_s=window_s, cooldown_s=10, manual_hold_s=60)
     engine.sinks.append(ap)
     return ap, engine
 
@@ -168,6 +185,24 @@ def test_a_manual_change_while_deciding_drops_the_decision():
     assert ap.tick(1000.0) is None and engine.knobs.max_num_seqs == 8 and engine.version == 1
 
 
+def test_a_manual_change_reaching_the_engine_first_wins_over_a_decision_already_sent():
+    # the operator's PATCH lands after the autopilot's last check but before its move reaches the
+    # engine's knob owner: the move carries the version it was decided on and is refused
+    ap, engine = pilot("ttft_p99=1s", max_num_seqs=8)
+    feed(ap, 990.0, ttft=2.0, max_num_seqs=3)
+    autopilot_apply = ap._apply
+
+    def patch_first(changes, **why):
+        engine.apply({"max_num_seqs": 6}, source="admin", at=999.5)
+        return autopilot_apply(changes, **why)
+
+    ap._apply = patch_first
+    assert ap.tick(1000.0) is None
+    assert engine.knobs.max_num_seqs == 6 and [c.source for c in engine.state.snapshot.history] == ["admin"]
+    assert ap.view()["moves"] == [] and ap.view()["last_decision"]["reason"].startswith("dropped")
+    assert ap.view()["enabled"] is True  # a lost race is not an error
+
+
 def test_a_controller_failure_turns_it_off_without_raising():
     ap, engine = pilot("ttft_p99=1s", max_num_seqs=8)
     engine.fail = True
@@ -204,6 +239,29 @@ def test_admin_autopilot_route(live_server):
     assert off.json()["enabled"] is False and off.json()["spec"]["targets"] == {"ttft_p99": 2.0}
 
 
+def test_an_operators_patch_has_no_reason_unless_it_gives_one(live_server):
+    base = live_server.base_url
+    value = httpx.get(f"{base}/admin/knobs").json()["knobs"]["max_num_partial_prefills"]
+    too_long = httpx.patch(f"{base}/admin/knobs", json={"max_num_partial_prefills": value + 1},
+                           headers={"X-Appliance-Reason": "x" * 501})
+    assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "X-Appliance-Reason"
+    assert httpx.get(f"{base}/admin/knobs").json()["knobs"]["max_num_partial_prefills"] == value  # nothing applied
+    given = httpx.patch(f"{base}/admin/knobs", json={"max_num_partial_prefills": value + 1},
+                        headers={"X-Appliance-Reason": "more prompts in flight for the batch job"})
+    plain = httpx.patch(f"{base}/admin/knobs", json={"max_num_partial_prefills": value})
+    assert given.status_code == plain.status_code == 200
+    history = httpx.get(f"{base}/admin/knobs/history").json()["data"]
+    versions = {given.json()["version"], plain.json()["version"]}
+    ours = [(c["source"], c["reason"], c["prediction"]) for c in history if c["version"] in versions]
+    assert ours == [("admin", "more prompts in flight for the batch job", None), ("admin", None, None)]
+    for _ in range(200):  # the telemetry writer flushes in the background: wait for both rows (bounded)
+        stored = [c for c in queries.knob_timeline(live_server.db_url) if c["version"] in versions]
+        if len(stored) == 2:
+            break
+        time.sleep(0.05)
+    assert [(c["reason"], c["prediction"]) for c in stored] == [(r, p) for _, r, p in ours]
+
+
 def test_serve_flag_is_checked_and_carried():
     import argparse
 
@@ -216,3 +274,124 @@ def test_serve_flag_is_checked_and_carried():
     assert server_options({"autopilot": args.autopilot}, args)["autopilot"] == args.autopilot
     with pytest.raises(ValueError, match=r"--autopilot 'ttft_p99=x': ttft_p99: must be a positive duration"):
         server_options({"autopilot": "ttft_p99=x"}, args)
+
+
+# -- choosing by simulation -------------------------------------------------------------------------
+# The scripted windows below come from a "true" engine: the replay itself driven by a known linear
+# step-time model, so the window's iterations and requests are consistent and the autopilot's fit
+# recovers that model; what the autopilot predicts for each candidate is then what that engine does.
+
+FIXED = {"model": "scripted", "dtype": "float32", "device": "cpu", "num_blocks": 400, "block_size": 16,
+         "max_model_len": 1024}
+T0 = 1000.0
+
+
+def true_engine(**coefficients: float) -> StepTimeModel:
+    c = {"intercept": 0.02, "decode_rows": 0.002, "prefill_tokens": 0.0001, "prefill_seqs": 0.0,
+         "decode_context_tokens": 0.000001, **coefficients}
+    return StepTimeModel(EngineKey.from_fixed(FIXED), c, 0.001, "true", 0, 0, 0.0, 0.0)
+
+
+def scripted_window(ap: Autopilot, knobs: Knobs, step: StepTimeModel, n: int = 60, rate: float = 4.0,
+                    prompt: int = 64, output: int = 32, keep_iterations: int | None = None) -> float:
+    """Feed `n` requests arriving at `rate` as the true engine served them under `knobs` (only
+    `keep_iterations` of its iterations, from the middle, when given); returns the time the last
+    one finished."""
+    out = replay([SimRequest(i / rate, prompt, output) for i in range(n)], knobs,
+                 CacheShape(FIXED["num_blocks"], FIXED["block_size"], FIXED["max_model_len"]), step)
+    iterations = out.iterations
+    if keep_iterations is not None:
+        iterations = iterations[len(iterations) // 2:][:keep_iterations]
+    for it in iterations:
+        ap.on_iteration(replace(it, started_at=T0 + it.started_at))
+    for r in out.results:
+        sent = T0 + r.sent_at
+        ap.on_request(RequestStats(str(r.index), "api", None, sent, sent, sent + r.ttft, sent + r.e2e, prompt,
+                                   r.output_tokens, "length", 0, 0))
+    return T0 + out.duration_s
+
+
+def test_simulator_raises_max_num_seqs_when_it_binds_with_kv_free():
+    ap, engine = pilot("ttft_p99=1s,max_num_seqs=2..16", fixed=FIXED, window_s=300, max_num_seqs=2)
+    end = scripted_window(ap, engine.knobs, true_engine())
+    move = ap.tick(end + 1)
+    # the rules alone step x1.5 (to 3); the replay shows 3 still queues and 4 meets the target
+    assert move is not None and engine.knobs.max_num_seqs == 4
+    last = ap.view()["moves"][-1]
+    before, after = last["prediction"]["before"], last["prediction"]["after"]
+    assert after["attainment"] >= before["attainment"] + MARGIN and after["ttft_p99"] < 1.0 < before["ttft_p99"]
+    assert {tuple(c["changes"].items()) for c in last["prediction"]["candidates"]} >= {(("max_num_seqs", 3),),
+                                                                                     (("max_num_seqs", 4),)}
+    assert "max_num_seqs 2→4" in last["reason"] and "predicted attainment" in last["reason"]
+
+
+def test_simulator_moves_stay_inside_the_bounds():
+    ap, engine = pilot("ttft_p99=1s,max_num_seqs=2..3", fixed=FIXED, window_s=300, max_num_seqs=2)
+    end = scripted_window(ap, engine.knobs, true_engine())
+    assert ap.tick(end + 1) is not None and engine.knobs.max_num_seqs == 3
+    assert all(c["changes"]["max_num_seqs"] <= 3 for c in ap.view()["moves"][-1]["prediction"]["candidates"])
+
+
+def test_simulator_holds_when_no_candidate_beats_the_knobs_in_force_by_the_margin():
+    # a compute-bound engine: each decode row costs as much as a whole step, so a bigger batch
+    # starts requests sooner but stretches every token past the ITL target: no attainment gained
+    ap, engine = pilot("ttft_p99=1s,itl_p99=80ms,max_num_seqs=2..16", fixed=FIXED, window_s=300, max_num_seqs=2)
+    end = scripted_window(ap, engine.knobs, true_engine(intercept=0.005, decode_rows=0.05))
+    stats = window_stats(list(ap._iterations), list(ap._requests))
+    assert decide(stats, engine.knobs, ap.spec) is not None  # the rules alone would have moved
+    assert ap.tick(end + 1) is None and engine.version == 0
+    decision = ap.view()["last_decision"]
+    assert decision["reason"].startswith("hold: the best candidate") and "not better enough" in decision["reason"]
+    assert ap.tick(end + 3) is None and ap.view()["last_decision"] == decision  # one round of replays per cooldown
+
+
+def test_too_few_iterations_to_fit_falls_back_to_the_rules_and_says_so():
+    ap, engine = pilot("ttft_p99=1s,max_num_seqs=2..16", fixed=FIXED, window_s=300, max_num_seqs=2)
+    end = scripted_window(ap, engine.knobs, true_engine(), keep_iterations=MIN_ROWS - 5)
+    assert ap.tick(end + 1) is not None and engine.knobs.max_num_seqs == 3  # the rules' x1.5
+    last = ap.view()["moves"][-1]
+    assert "[rules only:" in last["reason"] and last["prediction"] is None
+
+
+def test_the_simulating_autopilot_stops_when_off_and_yields_to_a_manual_change():
+    ap, engine = pilot("ttft_p99=1s,max_num_seqs=2..16", fixed=FIXED, window_s=300, max_num_seqs=2)
+    end = scripted_window(ap, engine.knobs, true_engine())
+    ap.configure(enabled=False)
+    assert ap.tick(end + 1) is None and engine.version == 0 and ap.view()["last_decision"] is None  # nothing ran
+    ap.configure(enabled=True)
+    engine.apply({"max_num_seqs": 3}, source="admin", at=end)  # an operator's PATCH
+    assert ap.tick(end + 1) is None and ap.view()["status"].startswith("holding")
+    assert engine.knobs.max_num_seqs == 3 and ap.view()["last_decision"] is None
+
+
+def test_a_replay_that_misses_the_measured_attainment_leaves_the_choice_to_the_rules():
+    ap, engine = pilot("ttft_p99=1s,max_num_seqs=2..16", fixed=FIXED, window_s=300, max_num_seqs=2)
+    end = scripted_window(ap, engine.knobs, true_engine(), rate=2.5)
+    # the server measured these requests from 5 s earlier arrivals (they queued before the window
+    # began): the window's iterations cannot explain that wait, so the replay is not trusted
+    ap._requests = type(ap._requests)(replace(r, arrival=r.arrival - 5.0) for r in ap._requests)
+    assert ap.tick(end + 1) is not None and engine.knobs.max_num_seqs == 3  # the rules' x1.5
+    last = ap.view()["moves"][-1]
+    assert last["prediction"] is None
+    assert last["reason"].endswith("[rules only: the replay of the knobs in force predicts 100% within the targets, "
+                                   "0% was measured]")
+
+
+def test_a_move_records_its_reason_and_prediction_in_knob_history_and_the_store(tmp_path):
+    url = f"sqlite:///{tmp_path / 'telemetry.db'}"
+    ap, engine = pilot("ttft_p99=1s,max_num_seqs=2..16", fixed=FIXED, window_s=300, max_num_seqs=2)
+    with TelemetryWriter(url, "r1", flush_interval_s=0.05) as writer:
+        engine.sinks.append(writer)
+        engine.apply({"max_num_batched_tokens": 1024}, source="admin", at=-1.0)  # a person's, no reason
+        end = scripted_window(ap, engine.knobs, true_engine())
+        assert ap.tick(end + 1) is not None
+        assert writer.flush(10)
+    history = engine.state.snapshot.history
+    assert [(c.source, c.reason) for c in history[:1]] == [("admin", None)]
+    move = history[-1]
+    assert move.source == SOURCE and move.reason == ap.view()["moves"][-1]["reason"]
+    assert "predicted attainment" in move.reason
+    assert move.prediction["after"]["attainment"] > move.prediction["before"]["attainment"]
+    stored = queries.knob_timeline(url)
+    assert [(c["source"], c["reason"], c["prediction"]) for c in stored] == [
+        ("admin", None, None), ("autopilot", move.reason, move.prediction)]

@@ -88,3 +88,16 @@ def test_knob_schema_comes_from_the_declaration():
     assert set(schema["properties"]) == set(Knobs.names()) == set(schema["required"])
     assert schema["properties"]["max_num_seqs"]["minimum"] == 1
     assert schema["properties"]["scheduling_policy"]["enum"] == ["continuous", "static"]
+
+
+def test_an_update_for_a_stale_version_is_refused_whole():
+    from appliance.engine.knobs import KnobConflict, KnobState, KnobUpdate
+
+    state = KnobState(Knobs(max_num_seqs=8))
+    state.apply(KnobUpdate({"max_num_seqs": 6}, "admin"), iteration=1)  # version 1
+    with pytest.raises(KnobConflict) as err:
+        state.apply(KnobUpdate({"max_num_seqs": 12}, "autopilot", expected_version=0), iteration=2)
+    assert set(err.value.errors) == {"version"} and state.knobs.max_num_seqs == 6 and state.snapshot.version == 1
+    change = state.apply(KnobUpdate({"max_num_seqs": 12}, "autopilot", reason="why", prediction={"after": {}},
+                                    expected_version=1), iteration=3)
+    assert (change.version, change.reason, change.prediction) == (2, "why", {"after": {}})

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from appliance.bench.report.analysis import compare, findings
+from appliance.bench.report.tables import changes_table
 from appliance.bench.report.data import IterationTotals, RunData
 
 QUIET = IterationTotals(iterations=100, busy_s=10.0, scheduled_tokens=20_000, prefill_tokens=15_000,
@@ -116,3 +117,17 @@ def test_a_margin_on_near_zero_values_is_a_ratio_not_a_percentage():
     margins = {row[0]: row[-1] for row in rows}
     assert margins["Goodput"] == "43x" and margins["TTFT P50"] == "50x" and margins["Output throughput"] == "10%"
     assert not any(len(cell) > 3 and cell.endswith("%") for cell in margins.values())  # never "4200%"
+
+
+def test_the_changes_table_lists_each_change_with_its_source_and_reason():
+    data = dataclasses.replace(run(), knob_changes=[
+        {"version": 2, "iteration": 40, "applied_at": 3.5, "old": {"max_num_seqs": 8}, "new": {"max_num_seqs": 12},
+         "source": "autopilot", "reason": "max_num_seqs 8→12: TTFT p99 2.000 s > target 1.000 s",
+         "prediction": {"before": {"attainment": 0.1}, "after": {"attainment": 0.9}}},
+        {"version": 3, "iteration": 90, "applied_at": 7.0, "old": {"max_num_seqs": 12}, "new": {"max_num_seqs": 6},
+         "source": "admin", "reason": None}])
+    header, rows = changes_table(data)
+    assert header[-2:] == ["Source", "Reason"]
+    assert rows == [["3.50", "2", "40", "max_num_seqs: 8 -> 12", "autopilot",
+                     "max_num_seqs 8→12: TTFT p99 2.000 s > target 1.000 s"],
+                    ["7.00", "3", "90", "max_num_seqs: 12 -> 6", "admin", "-"]]

@@ -338,6 +338,21 @@ def test_a_tiny_sweep_in_the_browser_charts_its_front_and_applies_the_recommenda
         seqs, 64, 32)
 
 
+def test_the_autopilot_switch_turns_it_on_and_shows_its_status(server, page):
+    page.locator("#autopilot").get_by_text("SLO autopilot").click()
+    page.locator("#autopilot-spec textarea").fill("ttft_p99=5s,max_num_seqs=16..64")
+    try:
+        page.locator("#autopilot-switch input").check()
+        status = page.locator("#autopilot-status")
+        status.get_by_text("Autopilot on").wait_for(timeout=30_000)
+        assert "max_num_seqs 16..64" in status.inner_text()
+        view = httpx.get(f"{server.base_url}/admin/autopilot").json()
+        assert view["enabled"] is True and view["spec"]["bounds"] == {"max_num_seqs": [16, 64]}
+        page.screenshot(path=str(ARTIFACTS / "autopilot.png"))
+    finally:
+        httpx.patch(f"{server.base_url}/admin/autopilot", json={"enabled": False})
+
+
 def test_with_an_api_key_the_browser_logs_in_and_never_sees_the_key(loaded_model, tmp_path, browser):
     from conftest import serve_dashboard
 

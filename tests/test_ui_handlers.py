@@ -13,6 +13,7 @@ import httpx
 import pytest
 from gradio_client import Client
 
+from appliance.server.autopilot_policy import parse_spec
 from appliance.telemetry import runs
 from appliance.telemetry.models import Request
 from appliance.telemetry.store import make_engine
@@ -516,6 +517,9 @@ def test_autopilot_switch_in_the_knobs_panel(server, client):
     assert on is True and status.startswith("**Autopilot on**") and "max_num_seqs 16..64" in status
     view = httpx.get(f"{server.base_url}/admin/autopilot").json()
     assert view["enabled"] is True and view["spec"]["targets"] == {"ttft_p99": 5.0}
+    on, spec, status = client.predict(api_name="/autopilot_view")  # what a page load or Refresh shows
+    assert on is True and parse_spec(spec) == parse_spec("ttft_p99=5s,max_num_seqs=16..64")
+    assert status.startswith("**Autopilot on**") and "Targets: ttft_p99 5 s" in status
     on, status = client.predict(False, "", api_name="/autopilot_switch")
     assert on is False and status.startswith("**Autopilot off**")
     assert httpx.get(f"{server.base_url}/admin/autopilot").json()["enabled"] is False

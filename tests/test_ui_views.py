@@ -17,6 +17,7 @@ from appliance.records import HoldCause
 from appliance.telemetry import request_split
 from ui import charts, holding, live_tab, reports, runs_tab, slow_requests
 from ui.api_client import ApiError, ChatStats, _take_chat_event
+from ui.autopilot_switch import autopilot_markdown, spec_text
 from ui.chat_tab import build_messages, message_text, stats_row
 from ui.knobs_panel import (
     KNOB_NAMES,
@@ -378,6 +379,18 @@ def test_only_the_newest_knob_changes_carry_their_label():
     assert [a.hovertext for a in fig.layout.annotations][0] == "v1: max_num_seqs 1→2"
 
 
+def test_an_autopilot_marker_carries_its_reason_on_hover():
+    import plotly.graph_objects as go
+
+    move = {"version": 2, "applied_at": time.time(), "old": {"max_num_seqs": 8}, "new": {"max_num_seqs": 12},
+            "source": "autopilot", "reason": "max_num_seqs 8→12: TTFT p99 2.0 s > target 1.0 s; predicted x → y"}
+    fig = charts.mark_knob_changes(go.Figure(), [move, {**move, "version": 3, "source": "admin", "reason": None}])
+    hover = [a.hovertext for a in fig.layout.annotations]
+    assert hover[0] == ("v2 (autopilot): max_num_seqs 8→12<br>max_num_seqs 8→12: TTFT p99 2.0 s &gt; target 1.0 s"
+                        "<br>predicted x → y")
+    assert hover[1] == "v3: max_num_seqs 8→12"  # an operator's change without a reason: the label alone
+
+
 # ------------------------------------------------------------------------ live refresh sharing
 
 
@@ -450,3 +463,33 @@ def test_sessions_refreshing_in_one_tick_share_one_build_and_new_telemetry_shows
     # a paused view sends nothing and builds nothing
     assert tab.tick("1m", True, later[n], "", None)[:n] == [gr.skip()] * n and tab.cache.builds == 2
     engine.dispose()
+
+
+# ------------------------------------------------------------------------------------- autopilot
+
+
+def test_the_autopilot_status_shows_targets_last_move_and_why_it_turned_itself_off():
+    from appliance.engine import Knobs
+    from appliance.engine.knobs import KnobSnapshot
+    from appliance.server.autopilot import Autopilot
+    from appliance.server.autopilot_choice import Choice
+    from appliance.server.autopilot_policy import Move, parse_spec
+
+    spec = parse_spec("ttft_p99=1s,itl_p99=150ms,max_num_seqs=8..128")
+    view = {"enabled": True, "status": "watching", "error": None, "spec": spec.as_dict(),
+            "moves": [{"at": 0.0, "version": 3, "changes": {"max_num_seqs": 12}, "reason": "max_num_seqs 8→12: why"}],
+            "last_decision": {"at": 10.0, "reason": "hold: targets met"}}
+    text = autopilot_markdown(view)
+    assert text.startswith("**Autopilot on** (watching). Targets: ttft_p99 1 s, itl_p99 0.15 s. "
+                           "Bounds: max_num_seqs 8..128.")
+    assert "Last move (v3, " in text and "): max_num_seqs 8→12: why" in text
+    assert "): hold: targets met" in text
+    assert parse_spec(spec_text(view)) == spec  # what the switch sends back is the same spec
+
+    def broken(changes, **why):
+        raise RuntimeError("boom")
+
+    failing = Autopilot(lambda: KnobSnapshot(Knobs(max_num_seqs=8)), broken, spec)
+    failing._choose = lambda *args: Choice(Move({"max_num_seqs": 12}, "r"), "r")  # a move is due: apply fails
+    failing.tick(100.0)
+    assert autopilot_markdown(failing.view()).startswith("**Autopilot off** — turned itself off: RuntimeError: boom.")

@@ -34,6 +34,15 @@ class ApiError(RuntimeError):
         self.errors = dict(errors or {})
 
 
+def rejected_markdown(error: ApiError) -> str:
+    """A refused change for the dashboard: the message, or each bad field with its reason."""
+    if not error.errors:
+        return f"**Rejected — nothing applied.** {error.message}"
+    lines = ["**Rejected — nothing applied.**"]
+    lines += [f"- `{field}`: {message}" for field, message in error.errors.items()]
+    return "\n".join(lines)
+
+
 def error_message(response: httpx.Response) -> str:
     """The message of an OpenAI-shaped error body, else the status line and some of the body."""
     try:

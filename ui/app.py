@@ -108,6 +108,7 @@ def build_dashboard(
         blocks.load(on_load, None, [*knobs.outputs, *runs_tab.refresh_outputs, live.window],
                     api_name="dashboard_load")
         blocks.load(whatif.on_load, None, whatif.load_outputs, api_name="whatif_load")
+        blocks.load(knobs.autopilot.on_view, None, knobs.autopilot.outputs, api_name="autopilot_load")
     quiet_queue(blocks)
     return blocks
 

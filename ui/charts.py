@@ -6,6 +6,7 @@ what changed ("v3: max_num_seqs 64→16").
 
 from __future__ import annotations
 
+import html
 from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
@@ -63,10 +64,18 @@ def change_label(change: dict[str, Any]) -> str:
     return f"v{change.get('version')}{by}: " + (", ".join(parts) or "no change")
 
 
+def change_hover(change: dict[str, Any]) -> str:
+    """The marker's hover text: its label, then its reason (one clause a line), when it has one."""
+    reason = change.get("reason")
+    if not reason:
+        return change_label(change)
+    return change_label(change) + "<br>" + "<br>".join(html.escape(part) for part in reason.split("; "))
+
+
 def knob_marks(changes: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(shapes, annotations) as plain layout dicts: each change a dashed vertical line. The
     newest LABELLED changes carry their label (cut at LABEL_CHARS); older ones show their
-    version, with the whole label on hover."""
+    version, with the whole label (and the change's reason) on hover."""
     shapes, annotations = [], []
     for i, change in enumerate(changes):
         x = stamp(change["applied_at"])
@@ -76,7 +85,7 @@ def knob_marks(changes: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]],
         shapes.append(dict(type="line", x0=x, x1=x, xref="x", y0=0, y1=1, yref="paper",
                            line=dict(color="#6b7280", width=1, dash="dash")))
         annotations.append(dict(x=x, xref="x", y=1 - 0.1 * ((len(changes) - 1 - i) % LABELLED), yref="paper",
-                                text=text if newest else f"v{change.get('version')}", hovertext=label,
+                                text=text if newest else f"v{change.get('version')}", hovertext=change_hover(change),
                                 showarrow=False, xanchor="left", yanchor="top",
                                 font=dict(size=9, color="#374151"), bgcolor="rgba(255,255,255,0.8)"))
     return shapes, annotations

@@ -1,5 +1,5 @@
 """The knobs panel (always visible): sliders with number boxes, policy switch, prefix-caching
-switch, Apply, presets.
+switch, Apply, presets, and the SLO autopilot's switch (ui.autopilot_switch).
 
 Apply sends ONE PATCH /admin/knobs with the knobs that differ from the values in force; the
 server validates the set as a whole, so a rejection means nothing was applied. Presets are the
@@ -16,7 +16,8 @@ from typing import Any
 import gradio as gr
 
 from appliance.policies import POLICIES
-from ui.api_client import ApiError
+from ui.api_client import ApiError, rejected_markdown
+from ui.autopilot_switch import AutopilotSwitch
 from ui.context import DashboardContext
 
 # The live knobs (the server's contract; the dashboard never imports the engine).
@@ -112,31 +113,13 @@ def applied_markdown(before: dict[str, Any], after: dict[str, Any]) -> str:
             f"took effect at iteration {after.get('iteration')}")
 
 
-def autopilot_markdown(view: dict[str, Any]) -> str:
-    """The autopilot's switch, status, spec and latest move."""
-    spec = view.get("spec") or {}
-    targets = ", ".join(f"{k} {v:g} s" for k, v in (spec.get("targets") or {}).items()) or "none"
-    bounds = ", ".join(f"{k} {lo}..{hi}" for k, (lo, hi) in (spec.get("bounds") or {}).items()) or "none"
-    moves = view.get("moves") or []
-    last = f"\n\nLast move: {moves[-1]['reason']}" if moves else ""
-    return (f"**Autopilot {'on' if view.get('enabled') else 'off'}** ({view.get('status')}). "
-            f"Targets: {targets}. Bounds: {bounds}.{last}")
-
-
-def rejected_markdown(error: ApiError) -> str:
-    if not error.errors:
-        return f"**Rejected — nothing applied.** {error.message}"
-    lines = ["**Rejected — nothing applied.**"]
-    lines += [f"- `{field}`: {message}" for field, message in error.errors.items()]
-    return "\n".join(lines)
-
-
 class KnobsPanel:
     """Builds the panel inside the current Blocks context and wires its events."""
 
     def __init__(self, ctx: DashboardContext):
         self.ctx = ctx
         self.presets = load_presets(ctx.configs_dir)
+        self.autopilot = AutopilotSwitch(ctx)
 
     def build(self) -> None:
         with gr.Column(elem_id="knobs-panel"):
@@ -159,32 +142,13 @@ class KnobsPanel:
             self.status = gr.Markdown("", elem_id="knob-status")
             self.effective = gr.Markdown("", elem_id="knob-effective")
             self.fixed = gr.Markdown("", elem_id="knob-fixed")
-            with gr.Accordion("SLO autopilot", open=False, elem_id="autopilot"):
-                self.autopilot_spec = gr.Textbox(label="targets and knob bounds", elem_id="autopilot-spec",
-                                                 placeholder="ttft_p99=1s,itl_p99=150ms,max_num_seqs=8..128")
-                self.autopilot_on = gr.Checkbox(False, label="Autopilot on", elem_id="autopilot-switch")
-                self.autopilot_status = gr.Markdown("", elem_id="autopilot-status")
-        self.autopilot_on.input(self.on_autopilot, [self.autopilot_on, self.autopilot_spec],
-                                [self.autopilot_on, self.autopilot_status], api_name="autopilot_switch")
+            self.autopilot.build()
         inputs = [*self.sliders, self.policy, self.caching]
         outputs = self.outputs
         self.apply.click(self.on_apply, inputs, outputs, api_name="knobs_apply")
         self.reload.click(self.on_reload, None, outputs, api_name="knobs_reload")
         for name, button in self.preset_buttons.items():
             button.click(self._preset_handler(name), None, outputs, api_name=f"knobs_preset_{name}")
-
-    def on_autopilot(self, on: bool, spec: str, request: gr.Request) -> list[Any]:
-        """The switch: one PATCH /admin/autopilot (with the spec when one is typed); rejected:
-        the switch goes back and the reason is shown."""
-        self.ctx.check(request)
-        body: dict[str, Any] = {"enabled": bool(on)}
-        if spec and spec.strip():
-            body["spec"] = spec.strip()
-        try:
-            view = self.ctx.api.patch_autopilot(body)
-        except ApiError as exc:
-            return [not on, rejected_markdown(exc)]
-        return [view["enabled"], autopilot_markdown(view)]
 
     @property
     def outputs(self) -> list[gr.components.Component]:

@@ -173,11 +173,13 @@ class AsyncEngine:
         """Thread-safe; the request's blocks are freed at the next iteration boundary."""
         self._commands.put(_Abort(request_id))
 
-    async def update_knobs(self, changes: Mapping[str, Any], source: str = "api") -> KnobChange | None:
+    async def update_knobs(self, changes: Mapping[str, Any], source: str = "api", **why: Any) -> KnobChange | None:
         """Apply a change at the next iteration boundary and return it once it took effect (None
-        when it changed nothing); KnobError, with nothing applied, when the set would be invalid."""
+        when it changed nothing); KnobError, with nothing applied, when the set would be invalid
+        (KnobConflict when `why`'s expected_version is stale). `why`: KnobUpdate's reason,
+        prediction and expected_version."""
         done: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.put(_ChangeKnobs(KnobUpdate(dict(changes), source), done))
+        self._commands.put(_ChangeKnobs(KnobUpdate(dict(changes), source, **why), done))
         return await asyncio.wrap_future(done)
 
     def snapshot(self) -> dict[str, Any]:

@@ -208,8 +208,9 @@ class LLMEngine:
                 sink.on_knob_change(change)
         return change
 
-    def update_knobs(self, changes: Mapping[str, Any], source: str = "api") -> KnobChange | None:
-        return self.apply_knobs(KnobUpdate(changes, source))
+    def update_knobs(self, changes: Mapping[str, Any], source: str = "api", **why: Any) -> KnobChange | None:
+        """`why`: KnobUpdate's reason, prediction and expected_version."""
+        return self.apply_knobs(KnobUpdate(changes, source, **why))
 
     def step(self) -> list[RequestOutput]:
         """Run one iteration; return every request's new output (finished ones included)."""

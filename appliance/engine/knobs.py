@@ -141,10 +141,19 @@ def field_errors(values: Mapping[str, Any]) -> dict[str, str]:
 # -- the owner ------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class KnobUpdate:
-    """A requested change, carried from the caller to the engine thread."""
+    """A requested change, carried from the caller to the engine thread. With
+    `expected_version`, it applies only if the knobs in force still have that version (a
+    controller's decision taken on older knobs is dropped: KnobConflict)."""
 
     changes: Mapping[str, Any]
     source: str = "api"
+    reason: str | None = None
+    prediction: Mapping[str, Any] | None = None
+    expected_version: int | None = None
+
+
+class KnobConflict(KnobError):
+    """A KnobUpdate's expected_version is no longer the version in force; nothing was applied."""
 
 
 @dataclass(frozen=True)
@@ -169,15 +178,20 @@ class KnobState:
         return self.snapshot.knobs
 
     def apply(self, update: KnobUpdate, iteration: int) -> KnobChange | None:
-        """Validate the whole change (KnobError, nothing applied) and apply it; the first
-        iteration to run with it is `iteration`. A change that changes nothing adds no version."""
+        """Validate the whole change (KnobError, nothing applied; KnobConflict when its
+        expected_version is stale) and apply it; the first iteration to run with it is
+        `iteration`. A change that changes nothing adds no version."""
         snap = self.snapshot
+        if update.expected_version is not None and update.expected_version != snap.version:
+            raise KnobConflict({"version": f"expected version {update.expected_version}, the knobs in force are "
+                                           f"version {snap.version}"})
         knobs = snap.knobs.with_changes(update.changes)
         old, new = snap.knobs.as_dict(), knobs.as_dict()
         diff = [k for k in old if old[k] != new[k]]
         if not diff:
             return None
         change = KnobChange(snap.version + 1, iteration, time.time(), {k: old[k] for k in diff},
-                            {k: new[k] for k in diff}, update.source)
+                            {k: new[k] for k in diff}, update.source, update.reason,
+                            dict(update.prediction) if update.prediction is not None else None)
         self.snapshot = KnobSnapshot(knobs, change.version, iteration, (*snap.history, change))
         return change

@@ -8,12 +8,13 @@ import re
 from starlette.requests import Request
 
 from ..engine import KnobError
-from ..wire import SOURCE_HEADER
+from ..wire import REASON_HEADER, SOURCE_HEADER
 from .autopilot_policy import SpecError, parse_spec
 from .errors import APIError, JSONResponse, ServerErrorCode
 from .protocol import parse_json, read_body
 from .state import AppState
 
+MAX_REASON_CHARS = 500
 _SOURCE_RE = re.compile(r"[a-z][a-z0-9_-]{0,31}")
 KNOB_UPDATE_TIMEOUT_S = 30.0
 
@@ -40,18 +41,23 @@ async def patch_knobs(request: Request) -> JSONResponse:
     nothing applied) and applies it at the next iteration boundary; answer once it took effect,
     with the knobs then in force, their version and the iteration they took effect at. The
     change is recorded with source "admin", or the X-Appliance-Source header's value (e.g.
-    "dashboard"); a change that changes nothing adds no version."""
+    "dashboard"), and the X-Appliance-Reason header's text as its reason (none: null); a change
+    that changes nothing adds no version."""
     state = _state(request)
     source = request.headers.get(SOURCE_HEADER, "admin").strip().lower()
     if not _SOURCE_RE.fullmatch(source):
         raise APIError(400, "X-Appliance-Source must be 1-32 characters of [a-z0-9_-], starting with a letter",
                        param="X-Appliance-Source")
+    reason = request.headers.get(REASON_HEADER, "").strip() or None
+    if reason is not None and len(reason) > MAX_REASON_CHARS:
+        raise APIError(400, f"{REASON_HEADER} must be at most {MAX_REASON_CHARS} characters, got {len(reason)}",
+                       param=REASON_HEADER)
     body = parse_json(await read_body(request, state.config.max_body_bytes))
     if not isinstance(body, dict):
         raise _knob_error({"body": "must be a JSON object mapping knob names to values"})
     if not state.aeng.is_running:
         raise APIError(503, "the engine is not running", code=ServerErrorCode.ENGINE_UNAVAILABLE)
-    update = asyncio.ensure_future(state.aeng.update_knobs(body, source=source))
+    update = asyncio.ensure_future(state.aeng.update_knobs(body, source=source, reason=reason))
     try:
         # shield: a cancelled handler must not cancel the future the engine thread will resolve
         change = await asyncio.wait_for(asyncio.shield(update), KNOB_UPDATE_TIMEOUT_S)

@@ -1,12 +1,16 @@
 """The SLO autopilot: a controller thread that reads the recent window of engine records and
 turns the knobs itself, through the same validated path as an operator's PATCH (applied at an
-iteration boundary, in knob history with source "autopilot").
+iteration boundary, in knob history with source "autopilot", its reason and its prediction).
+Given the engine's fixed settings it chooses with the what-if simulator fitted on the window
+(autopilot_choice); without them, by the rules alone (autopilot_policy).
 
-Guarantees: every move stays inside the operator's bounds (autopilot_policy); at most one move
-per `cooldown_s`; a knob changed by anyone else pauses it for `manual_hold_s` and a decision
-taken before that change is dropped; switching it off stops it before its next move; any error
-in the controller is logged and turns it off (serving is never touched: it runs in its own
-thread and only ever submits knob changes).
+Guarantees: every move stays inside the operator's bounds (autopilot_policy); at most one move,
+and one round of simulations (they share the CPU with serving), per `cooldown_s`; a knob changed
+by anyone else pauses it for `manual_hold_s` and a decision taken before that change is dropped
+(checked before applying, and by the engine itself: the move carries the knob version it was
+decided on, KnobConflict when that is stale); switching it off stops it before its next move;
+any error in the controller is logged and turns it off (serving is never touched: it decides,
+simulations included, in its own thread and only ever submits knob changes).
 """
 
 from __future__ import annotations
@@ -16,11 +20,13 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..engine import StatsSink
+from ..engine.knobs import KnobConflict, KnobSnapshot
 from ..records import IterationStats, KnobChange, RequestStats
+from .autopilot_choice import Choice, choose
 from .autopilot_policy import Move, Spec, decide, window_stats
 
 log = logging.getLogger(__name__)
@@ -32,26 +38,31 @@ COOLDOWN_S = 10.0
 MANUAL_HOLD_S = 60.0
 HISTORY = 50
 
-Apply = Callable[[dict[str, int]], KnobChange | None]  # submit a change through the knob path; None: no change
+# submit a change through the knob path (keywords: reason, prediction, expected_version); None: no change
+Apply = Callable[..., KnobChange | None]
 
 
 class Autopilot(StatsSink):
     """Add it to the engine's sinks; `tick(now)` takes one decision (the thread calls it every
     INTERVAL_S; tests call it directly)."""
 
-    def __init__(self, knobs: Callable[[], Any], apply: Apply | None = None, spec: Spec | None = None, *,
-                 window_s: float = WINDOW_S, cooldown_s: float = COOLDOWN_S, manual_hold_s: float = MANUAL_HOLD_S,
+    def __init__(self, knobs: Callable[[], KnobSnapshot], apply: Apply | None = None, spec: Spec | None = None, *,
+                 fixed: Callable[[], Mapping[str, Any]] | None = None, window_s: float = WINDOW_S,
+                 cooldown_s: float = COOLDOWN_S, manual_hold_s: float = MANUAL_HOLD_S,
                  clock: Callable[[], float] = time.time):
-        self._knobs, self._apply, self._clock = knobs, apply, clock
+        self._knobs, self._apply, self._fixed, self._clock = knobs, apply, fixed, clock
         self.spec = spec
         self.enabled = spec is not None
         self.window_s, self.cooldown_s, self.manual_hold_s = window_s, cooldown_s, manual_hold_s
         self.status = "watching" if self.enabled else "off"
         self.moves: deque[dict[str, Any]] = deque(maxlen=HISTORY)
+        self.last_decision: dict[str, Any] | None = None  # {"at", "reason"} of the latest decision
+        self.error: str | None = None  # why it turned itself off (cleared when switched on again)
         self._iterations: deque[IterationStats] = deque()
         self._requests: deque[RequestStats] = deque()
         self._lock = threading.Lock()
         self._last_move_at = float("-inf")
+        self._last_sim_at = float("-inf")  # replays cost CPU beside the engine: one round per cooldown
         self._manual_at = float("-inf")
         self._manual_seq = 0  # counts knob changes by others; a decision spanning one is dropped
         self._last_raise: dict[str, int] = {}
@@ -85,12 +96,15 @@ class Autopilot(StatsSink):
                     raise ValueError("the autopilot needs targets before it can be switched on")
                 self.enabled = enabled
                 self.status = "watching" if enabled else "off"
+                if enabled:
+                    self.error = None
 
     def view(self) -> dict[str, Any]:
         with self._lock:
-            return {"enabled": self.enabled, "status": self.status,
+            return {"enabled": self.enabled, "status": self.status, "error": self.error,
                     "spec": self.spec.as_dict() if self.spec else None,
                     "window_s": self.window_s, "cooldown_s": self.cooldown_s, "manual_hold_s": self.manual_hold_s,
+                    "simulator": self._fixed is not None, "last_decision": self.last_decision,
                     "moves": list(self.moves)}
 
     def tick(self, now: float | None = None) -> Move | None:
@@ -106,42 +120,60 @@ class Autopilot(StatsSink):
                     self.status = "holding: a knob was changed by hand"
                     return None
                 self.status = "watching"
-                if now - self._last_move_at < self.cooldown_s:
-                    return None
-                stats = window_stats(list(self._iterations), list(self._requests))
+                if now - max(self._last_move_at, self._last_sim_at) < self.cooldown_s:
+                    return None  # at most one move, and one simulated decision, per cooldown
+                iterations, requests = list(self._iterations), list(self._requests)
                 seq, spec, last_raise = self._manual_seq, self.spec, dict(self._last_raise)
-            move = decide(stats, self._knobs(), spec, last_raise)
-            if move is None:
-                return None
+            snap = self._knobs()
+            choice = self._choose(iterations, requests, snap.knobs, spec, last_raise)
             with self._lock:
-                if not self.enabled or seq != self._manual_seq:
-                    return None  # switched off, or a person changed knobs, while deciding
+                self.last_decision = {"at": now, "reason": choice.reason}
+                if choice.simulated:
+                    self._last_sim_at = now
+                if choice.move is None or not self.enabled or seq != self._manual_seq:
+                    return None  # nothing to do, or switched off / a person changed knobs while deciding
+            move = choice.move
             if self._apply is None:
                 raise RuntimeError("the autopilot has no knob path to apply moves through")
-            before = self._knobs().as_dict()
-            change = self._apply(move.changes)
+            try:
+                change = self._apply(move.changes, reason=choice.reason, prediction=choice.prediction,
+                                     expected_version=snap.version)
+            except KnobConflict:
+                with self._lock:
+                    self.last_decision = {"at": now, "reason": "dropped: the knobs changed while deciding"}
+                return None
             if change is None:  # the knobs already had these values: nothing moved
                 return None
             with self._lock:
                 self._last_move_at = now
                 name, value = next(iter(move.changes.items()))
+                before = snap.knobs.as_dict()
                 if value > before[name]:
                     self._last_raise = {name: before[name]}
                 elif self._last_raise.get(name) is not None:
                     self._last_raise = {}
                 self.moves.append({"at": now, "version": change.version, "changes": move.changes,
-                                   "reason": move.reason})
+                                   "reason": choice.reason, "prediction": choice.prediction})
                 # drop the window: the next decision reads traffic under the new knobs only
                 self._iterations.clear()
                 self._requests.clear()
-            log.info("autopilot: %s", move.reason)
+            log.info("autopilot: %s", choice.reason)
             return move
         except Exception as exc:  # noqa: BLE001 - a controller bug must never reach serving
             log.exception("autopilot failed; switching it off")
             with self._lock:
                 self.enabled = False
-                self.status = f"off after an error: {type(exc).__name__}: {exc}"
+                self.error = f"{type(exc).__name__}: {exc}"
+                self.status = f"off after an error: {self.error}"
             return None
+
+    def _choose(self, iterations: list[IterationStats], requests: list[RequestStats], knobs: Any, spec: Spec,
+                last_raise: dict[str, int]) -> Choice:
+        """By simulation when the engine's fixed settings are known, else by the rules alone."""
+        if self._fixed is not None:
+            return choose(iterations, requests, knobs, spec, self._fixed(), last_raise)
+        move = decide(window_stats(iterations, requests), knobs, spec, last_raise)
+        return Choice(move, move.reason if move else "hold: the rules propose nothing")
 
     def _trim(self, now: float) -> None:
         while self._iterations and self._iterations[0].started_at < now - self.window_s:
@@ -170,8 +202,8 @@ class Autopilot(StatsSink):
 def loop_apply(aeng: Any, loop: asyncio.AbstractEventLoop, timeout_s: float = 30.0) -> Apply:
     """Apply a change from the controller thread through AsyncEngine.update_knobs (the path a
     PATCH takes) on the server's event loop, waiting until it took effect."""
-    def apply(changes: dict[str, int]) -> KnobChange | None:
-        future = asyncio.run_coroutine_threadsafe(aeng.update_knobs(changes, source=SOURCE), loop)
+    def apply(changes: dict[str, int], **why: Any) -> KnobChange | None:
+        future = asyncio.run_coroutine_threadsafe(aeng.update_knobs(changes, source=SOURCE, **why), loop)
         return future.result(timeout_s)
 
     return apply

@@ -1,8 +1,9 @@
 """The SLO autopilot's rules: its spec (targets and knob bounds), the recent window it reads,
 and the one move it chooses. Pure functions, no I/O and no clock.
 
-A rule-based controller driven by the binding-cause counters (appliance.records.HoldCause); it
-does not use the what-if simulator (not in this code base yet). Rules, in order:
+Rules driven by the binding-cause counters (appliance.records.HoldCause); they propose the
+moves the simulator weighs (autopilot_choice) and decide alone when the window is too small to
+fit it. Rules, in order:
 - TTFT p99 over its target: raise the knob of the limit that held most of the queued
   request-time (max_num_seqs only while KV usage peaks under KV_ROOM; nothing when free KV blocks
   held it: no knob here adds memory).
@@ -161,34 +162,36 @@ def decide(w: WindowStats, knobs: Knobs, spec: Spec, last_raise: dict[str, int] 
         if cause is HoldCause.MAX_NUM_SEQS:
             if w.kv_peak >= KV_ROOM:
                 return None
-            return _move(knobs, spec, "max_num_seqs", math.ceil(k["max_num_seqs"] * 1.5),
+            return bounded_move(knobs, spec, "max_num_seqs", math.ceil(k["max_num_seqs"] * 1.5),
                          f"{why}; {share}, KV peak {w.kv_peak:.0%}")
         if cause is HoldCause.TOKEN_BUDGET:
-            return _move(knobs, spec, "max_num_batched_tokens", math.ceil(k["max_num_batched_tokens"] * 1.5),
+            return bounded_move(knobs, spec, "max_num_batched_tokens", math.ceil(k["max_num_batched_tokens"] * 1.5),
                          f"{why}; {share}")
         if cause is HoldCause.PARTIAL_PREFILLS:
-            return _move(knobs, spec, "max_num_partial_prefills", k["max_num_partial_prefills"] + 1, f"{why}; {share}")
+            return bounded_move(knobs, spec, "max_num_partial_prefills", k["max_num_partial_prefills"] + 1, f"{why}; {share}")
         if cause is HoldCause.LONG_PARTIAL_PREFILLS:
-            return _move(knobs, spec, "max_long_partial_prefills", k["max_long_partial_prefills"] + 1,
+            return bounded_move(knobs, spec, "max_long_partial_prefills", k["max_long_partial_prefills"] + 1,
                          f"{why}; {share}")
         return None  # free KV blocks: no knob here adds memory
     if itl_over:
         why = f"ITL p99 {w.itl_p99 * 1000:.0f} ms > target {itl_t * 1000:.0f} ms"
         if w.prefill_step_share > 0:
-            move = _move(knobs, spec, "long_prefill_token_threshold", max(1, k["long_prefill_token_threshold"] // 2),
+            move = bounded_move(knobs, spec, "long_prefill_token_threshold", max(1, k["long_prefill_token_threshold"] // 2),
                          f"{why}; {w.prefill_step_share:.0%} of steps carried prefill chunks")
             if move is not None:
                 return move
-        return _move(knobs, spec, "max_num_seqs", max(1, math.floor(k["max_num_seqs"] * 0.75)), why)
+        return bounded_move(knobs, spec, "max_num_seqs", max(1, math.floor(k["max_num_seqs"] * 0.75)), why)
     relaxed = all(w_v is None or t is None or w_v < RELAX * t for w_v, t in ((w.ttft_p99, ttft_t), (w.itl_p99, itl_t)))
     if relaxed and last_raise:
         name, before = next(iter(last_raise.items()))
-        return _move(knobs, spec, name, before, f"TTFT and ITL p99 under {RELAX:.0%} of their targets: "
+        return bounded_move(knobs, spec, name, before, f"TTFT and ITL p99 under {RELAX:.0%} of their targets: "
                                                f"giving back the last raise of {name}")
     return None
 
 
-def _move(knobs: Knobs, spec: Spec, name: str, wanted: int, reason: str) -> Move | None:
+def bounded_move(knobs: Knobs, spec: Spec, name: str, wanted: int, reason: str) -> Move | None:
+    """Set `name` to `wanted` clamped into the operator's bounds; None when that changes nothing
+    or breaks a cross-knob rule."""
     lo, hi = spec.bounds.get(name, (1, 1 << 30))
     value = min(hi, max(lo, wanted))
     current = knobs.as_dict()[name]

@@ -12,6 +12,7 @@ from pydantic.json_schema import models_json_schema
 
 from ..engine.knobs import Knobs
 from ..engine.stats import FinishReason
+from ..wire import REASON_HEADER, SOURCE_HEADER
 from .protocol import RequestModels
 from .simulate import SimulateRequest
 
@@ -93,7 +94,8 @@ def build_openapi(models: RequestModels, model: str, auth: bool) -> dict[str, An
             "type": "object", "required": ["version", "iteration", "applied_at", "old", "new", "source"],
             "properties": {"version": {"type": "integer"}, "iteration": {"type": "integer"},
                            "applied_at": {"type": "number"}, "old": {"type": "object"}, "new": {"type": "object"},
-                           "source": {"type": "string"}}}}}},
+                           "source": {"type": "string"}, "reason": {"type": ["string", "null"]},
+                           "prediction": {"type": ["object", "null"]}}}}}},
         "EngineState": {"type": "object", "required": [
             "running", "waiting", "kv_blocks_used", "kv_blocks_total", "iteration", "uptime_s", "model", "device",
             "replica_id", "telemetry_rows_dropped"], "properties": {
@@ -142,7 +144,7 @@ def build_openapi(models: RequestModels, model: str, auth: bool) -> dict[str, An
             "200": _json(_ref(schema), "ok"), **unauthorized, **(extra or {})}}}
 
     patch = admin("patch", "KnobsView", "change knobs (applied at the next iteration boundary)", {
-        "400": _error("malformed JSON or a bad X-Appliance-Source header"),
+        "400": _error("malformed JSON or a bad X-Appliance-Source / X-Appliance-Reason header"),
         "413": _error("request body too large"),
         "422": _json(_ref("KnobErrorResponse"), "invalid knob values (nothing applied)"),
         "503": _error("engine unavailable"),
@@ -158,8 +160,10 @@ def build_openapi(models: RequestModels, model: str, auth: bool) -> dict[str, An
     simulate["post"]["requestBody"] = {"required": True, "content": {"application/json": {
         "schema": _ref("SimulateRequest")}}}
     patch["patch"]["requestBody"] = {"required": True, "content": {"application/json": {"schema": _ref("KnobPatch")}}}
-    patch["patch"]["parameters"] = [{"name": "X-Appliance-Source", "in": "header", "required": False,
-                                     "schema": {"type": "string", "pattern": "^[a-z][a-z0-9_-]{0,31}$"}}]
+    patch["patch"]["parameters"] = [{"name": SOURCE_HEADER, "in": "header", "required": False,
+                                     "schema": {"type": "string", "pattern": "^[a-z][a-z0-9_-]{0,31}$"}},
+                                    {"name": REASON_HEADER, "in": "header", "required": False,
+                                     "schema": {"type": "string", "maxLength": 500}}]
     return {
         "openapi": "3.1.0",
         "info": {"title": "appliance", "version": "1", "description": f"OpenAI-compatible server for `{model}`"},

@@ -79,7 +79,7 @@ class AppState:
         self.engine.add_sink(self.metrics)
         if telemetry is not None and telemetry not in self.engine.sinks:
             self.engine.add_sink(telemetry)
-        self.autopilot = Autopilot(lambda: self.engine.knobs,
+        self.autopilot = Autopilot(lambda: self.engine.knob_state.snapshot, fixed=self.fixed,
                                    spec=parse_spec(config.autopilot) if config.autopilot else None)
         self.engine.add_sink(self.autopilot)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="tokenize")

@@ -21,6 +21,7 @@ from sqlalchemy import (
     Integer,
     String,
     Table,
+    Text,
     UniqueConstraint,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
@@ -117,6 +118,8 @@ class KnobChangeRow(Base):
     old: Mapped[dict[str, Any]]
     new: Mapped[dict[str, Any]]
     source: Mapped[str] = mapped_column(String(32))
+    reason: Mapped[str | None] = mapped_column(Text)  # why (the autopilot always says; a person may)
+    prediction: Mapped[dict[str, Any] | None]  # the autopilot's predicted figures before/after
 
 
 class Run(Base):

@@ -327,10 +327,11 @@ def knob_timeline(
     *,
     replica_id: str | None = None,
 ) -> list[dict[str, Any]]:
-    """Applied knob changes, oldest first."""
+    """Applied knob changes, oldest first, each with who made it, why and what was predicted."""
     kc = KnobChangeRow.__table__
     query = select(
-        kc.c.replica_id, kc.c.version, kc.c.iteration, kc.c.applied_at, kc.c.old, kc.c.new, kc.c.source
+        kc.c.replica_id, kc.c.version, kc.c.iteration, kc.c.applied_at, kc.c.old, kc.c.new, kc.c.source,
+        kc.c.reason, kc.c.prediction,
     ).order_by(kc.c.applied_at, kc.c.id)
     if since is not None:
         query = query.where(kc.c.applied_at >= since)

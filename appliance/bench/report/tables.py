@@ -75,14 +75,16 @@ def settings_table(data: RunData) -> Table:
 
 
 def changes_table(data: RunData) -> Table:
+    """Every knob change of the run with who made it and why (the autopilot's moves carry their
+    reason and predicted figures; a person's change its reason when one was given)."""
     start = data.run["started_at"]
     rows = []
     for c in data.knob_changes:
         new, old = c.get("new") or {}, c.get("old") or {}
         what = ", ".join(f"{k}: {old.get(k)} -> {v}" for k, v in new.items())
         rows.append([f"{c['applied_at'] - start:.2f}", str(c.get("version", "-")),
-                     str(c.get("iteration", "-")), what, str(c.get("source", "-"))])
-    return ["At (s)", "Version", "Iteration", "Change", "Source"], rows
+                     str(c.get("iteration", "-")), what, str(c.get("source", "-")), c.get("reason") or "-"])
+    return ["At (s)", "Version", "Iteration", "Change", "Source", "Reason"], rows
 
 
 def latency_table(data: RunData) -> Table:

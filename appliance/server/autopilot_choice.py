@@ -1,0 +1,217 @@
+"""The autopilot's choice by simulation: the rules propose candidate moves (each inside the
+operator's bounds); the what-if simulator, fitted on the window's own iterations, replays the
+window's finished requests under the knobs in force and under each candidate; the candidate with
+the best predicted SLO attainment is chosen only if it beats the knobs in force by a margin
+(hysteresis). Too few iterations to fit, or a replay of the knobs in force that misses the
+attainment measured on the same requests by more than CALIBRATION: the rules alone decide (the
+reason says so). A replay that cannot run: hold. Replays are bounded (the newest MAX_REQUESTS requests, a time budget
+checked between replays) and run in the caller's thread (the autopilot's, never the engine's).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+from appliance.bench.metrics import SLO, RequestResult
+from appliance.engine.knobs import Knobs
+from appliance.records import COMPLETED_REASONS, FinishReason, HoldCause, IterationStats, RequestStats
+from appliance.sim.fit import MIN_ROWS, EngineKey, FitError, fit_step_time
+from appliance.sim.replay import CacheShape, ReplayError, SimRequest, replay
+
+from .autopilot_policy import MIN_REQUESTS, Move, Spec, WindowStats, bounded_move, decide, window_stats
+
+MARGIN = 0.05  # a candidate must raise the predicted attainment by this share of requests...
+P99_MARGIN = 0.2  # ...or, at no loss of attainment, cut the worst target's predicted p99 by this share
+MAX_CANDIDATES = 4
+MAX_REQUESTS = 300  # the window's newest finished requests are replayed (~1 s per 200 on this CPU)
+BUDGET_S = 5.0  # no replay starts after this long
+# the replay of the knobs in force must land within this share of requests of the measured
+# attainment; else the window does not explain its own latency (load from before it, requests
+# still in flight, a machine whose speed moved) and the rules decide alone
+CALIBRATION = 0.25
+# the raises tried for the limit that held queued requests (the rules' own step comes first)
+RAISES: dict[HoldCause, Callable[[int], list[int]]] = {
+    HoldCause.MAX_NUM_SEQS: lambda v: [math.ceil(v * 1.5), v * 2],
+    HoldCause.TOKEN_BUDGET: lambda v: [math.ceil(v * 1.5), v * 2],
+    HoldCause.PARTIAL_PREFILLS: lambda v: [v + 1],
+    HoldCause.LONG_PARTIAL_PREFILLS: lambda v: [v + 1],
+}
+
+
+@dataclass(frozen=True)
+class Forecast:
+    """One replay's SLO figures: share of requests within the targets, and the p99s (ITL as the
+    autopilot reads it: each request's mean time per output token)."""
+
+    attainment: float
+    ttft_p99: float | None
+    itl_p99: float | None
+
+    def worst_ratio(self, spec: Spec) -> float:
+        """The largest predicted p99 / target over the targets (above 1: a target missed)."""
+        pairs = ((self.ttft_p99, spec.targets.get("ttft_p99")), (self.itl_p99, spec.targets.get("itl_p99")))
+        return max((v / t for v, t in pairs if v is not None and t), default=0.0)
+
+    def text(self) -> str:
+        ms = lambda v: "-" if v is None else f"{v * 1000:.0f} ms"  # noqa: E731
+        return f"attainment {self.attainment:.0%}, TTFT p99 {ms(self.ttft_p99)}, ITL p99 {ms(self.itl_p99)}"
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The decision: a move (or None: hold), why, and the prediction behind it (None: the rules
+    decided alone, or nothing was simulated)."""
+
+    move: Move | None
+    reason: str
+    prediction: dict[str, Any] | None = None
+    simulated: bool = False  # a replay ran (the controller spaces these out)
+
+
+def over_targets(w: WindowStats, spec: Spec) -> tuple[bool, bool]:
+    """(TTFT p99 over its target, ITL p99 over its target) in the measured window."""
+    def over(value: float | None, name: str) -> bool:
+        return value is not None and name in spec.targets and value > spec.targets[name]
+
+    return over(w.ttft_p99, "ttft_p99"), over(w.itl_p99, "itl_p99")
+
+
+def candidates(w: WindowStats, knobs: Knobs, spec: Spec, last_raise: Mapping[str, int] | None = None) -> list[Move]:
+    """The moves worth simulating, the rules' own first, each inside the bounds and valid as a
+    whole set; at most MAX_CANDIDATES. Unlike the rules alone, a raise of max_num_seqs is tried
+    even with the KV cache nearly full (the replay shows whether preemptions eat the gain)."""
+    rule = decide(w, knobs, spec, dict(last_raise or {}))
+    out = [rule] if rule is not None else []
+    ttft_over, itl_over = over_targets(w, spec)
+    k = knobs.as_dict()
+    if ttft_over:
+        total = sum(w.held_s.values())
+        for cause in sorted((c for c in RAISES if w.held_s[c] > 0), key=lambda c: -w.held_s[c]):
+            why = f"TTFT p99 {w.ttft_p99:.3f} s over target; {w.held_s[cause] / total:.0%} of queueing held by {cause}"
+            out += [m for v in RAISES[cause](k[cause.value]) if (m := bounded_move(knobs, spec, cause.value, v, why))]
+    if itl_over:
+        why = f"ITL p99 {(w.itl_p99 or 0) * 1000:.0f} ms over target"
+        for name, value in (("long_prefill_token_threshold", max(1, k["long_prefill_token_threshold"] // 2)),
+                            ("max_num_seqs", max(1, math.floor(k["max_num_seqs"] * 0.75)))):
+            if (m := bounded_move(knobs, spec, name, value, why)) is not None:
+                out.append(m)
+    unique: dict[tuple[tuple[str, int], ...], Move] = {}
+    for m in out:
+        unique.setdefault(tuple(sorted(m.changes.items())), m)
+    return list(unique.values())[:MAX_CANDIDATES]
+
+
+def nothing_helps(w: WindowStats) -> str:
+    """Why no candidate exists although a target is missed."""
+    total = sum(w.held_s.values())
+    if total <= 0:
+        return "a target is missed but no limit held queued requests (the time is compute, not queueing)"
+    if max(w.held_s, key=lambda c: w.held_s[c]) is HoldCause.KV_BLOCKS:
+        return "queueing was held mostly by free KV blocks: no knob here adds memory"
+    return "every knob that could help is at its bound"
+
+
+def replayable(requests: Sequence[RequestStats]) -> list[RequestStats]:
+    """The window's finished requests that a replay can carry (the newest MAX_REQUESTS)."""
+    return sorted((r for r in requests if r.output_tokens >= 1 or r.finish_reason == FinishReason.ABORT),
+                  key=lambda r: r.arrival)[-MAX_REQUESTS:]
+
+
+def sim_requests(done: Sequence[RequestStats]) -> list[SimRequest]:
+    """Requests as replay requests, arrivals from the first one's; aborted ones are cancelled
+    when they were."""
+    t0 = done[0].arrival if done else 0.0
+    return [SimRequest(r.arrival - t0, max(1, r.prompt_tokens),
+                       max(1, r.output_tokens + (r.finish_reason == FinishReason.ABORT)),
+                       r.finished - t0 if r.finish_reason == FinishReason.ABORT else None) for r in done]
+
+
+def measured_attainment(done: Sequence[RequestStats], slo: SLO) -> float:
+    """The share of `done` that met `slo` as the server measured them (from arrival)."""
+    met = sum(slo.met_by(RequestResult(
+        index=i, sent_at=r.arrival, ok=r.finish_reason in COMPLETED_REASONS, output_tokens=r.output_tokens,
+        ttft=None if r.first_token is None else r.first_token - r.arrival, e2e=r.finished - r.arrival))
+        for i, r in enumerate(done))
+    return met / max(1, len(done))
+
+
+def choose(iterations: Sequence[IterationStats], requests: Sequence[RequestStats], knobs: Knobs, spec: Spec,
+           fixed: Mapping[str, Any], last_raise: Mapping[str, int] | None = None, *, budget_s: float = BUDGET_S,
+           clock: Callable[[], float] = time.perf_counter) -> Choice:
+    """The move for this window (see the module docstring). `fixed`: GET /admin/knobs' fixed
+    settings (the cache shape and the engine the step-time model is keyed on)."""
+    w = window_stats(iterations, requests)
+    if w.requests < MIN_REQUESTS:
+        return Choice(None, f"hold: {w.requests} finished request(s) in the window, at least {MIN_REQUESTS} needed")
+    moves = candidates(w, knobs, spec, last_raise)
+    if not moves:
+        return Choice(None, "hold: " + (nothing_helps(w) if any(over_targets(w, spec)) else "targets met"))
+    rule = decide(w, knobs, spec, dict(last_raise or {}))
+    try:
+        model = fit_step_time([it.as_dict() for it in iterations], EngineKey.from_fixed(fixed))
+    except FitError as exc:
+        return rules_only(rule, f"{exc} in the window (the simulator needs {MIN_ROWS})")
+    cache = CacheShape(int(fixed["num_blocks"]), int(fixed["block_size"]), int(fixed["max_model_len"]))
+    slo = SLO(ttft=spec.targets.get("ttft_p99"), tpot=spec.targets.get("itl_p99"))
+    done = replayable(requests)
+    reqs = sim_requests(done)
+    measured = measured_attainment(done, slo)
+    started = clock()
+
+    def forecast(k: Knobs) -> Forecast:
+        s = replay(reqs, k, cache, model, slo=slo).summary
+        return Forecast((s.slo_met or 0) / max(1, s.num_requests), s.ttft.p99, s.tpot.p99)
+
+    try:
+        base = forecast(knobs)
+        if abs(base.attainment - measured) > CALIBRATION:  # the window does not explain what was measured
+            return replace(rules_only(rule, f"the replay of the knobs in force predicts {base.attainment:.0%} "
+                                            f"within the targets, {measured:.0%} was measured"), simulated=True)
+        tried: list[tuple[Move, Forecast]] = []
+        for m in moves:
+            if clock() - started > budget_s:
+                break
+            tried.append((m, forecast(knobs.with_changes(m.changes))))
+    except ReplayError as exc:
+        return Choice(None, f"hold: the simulation failed ({exc})", simulated=True)
+    prediction: dict[str, Any] = {
+        "measured_attainment": measured, "before": asdict(base), "requests": len(reqs),
+        "model_heldout_mape": model.heldout_mape,
+        "candidates": [{"changes": m.changes, **asdict(f)} for m, f in tried],
+        "skipped": [m.changes for m in moves[len(tried):]]}
+    if not tried:
+        return Choice(None, f"hold: the time budget ({budget_s:g} s) ran out before any candidate", prediction, True)
+    return replace(weigh(w, spec, base, tried, prediction), simulated=True)
+
+
+def rules_only(rule: Move | None, why: str) -> Choice:
+    """The rules' move when the simulator cannot be used (`why`), or a hold when they have none."""
+    if rule is None:
+        return Choice(None, f"hold: the rules propose nothing and the simulator is not used ({why})")
+    return Choice(rule, f"{rule.reason} [rules only: {why}]")
+
+
+def weigh(w: WindowStats, spec: Spec, base: Forecast, tried: Sequence[tuple[Move, Forecast]],
+          prediction: dict[str, Any]) -> Choice:
+    """The best candidate if it beats the knobs in force by the margin (a give-back: if it loses
+    nothing and keeps the targets), else hold."""
+    best, after = max(tried, key=lambda mf: (mf[1].attainment, -mf[1].worst_ratio(spec)))
+    if not any(over_targets(w, spec)):  # the rules give a raise back
+        wins = after.attainment >= base.attainment and after.worst_ratio(spec) <= 1
+    else:
+        wins = (after.attainment >= base.attainment + MARGIN
+                or (after.attainment >= base.attainment
+                    and after.worst_ratio(spec) <= (1 - P99_MARGIN) * base.worst_ratio(spec)))
+    prediction["after"] = asdict(after)
+    verdict = f"predicted {base.text()} → {after.text()}"
+    if not wins:
+        return Choice(None, f"hold: the best candidate ({_label(best)}) is not better enough: {verdict}", prediction)
+    return Choice(best, f"{best.reason}; {verdict}", prediction)
+
+
+def _label(m: Move) -> str:
+    return ", ".join(f"{k}={v}" for k, v in m.changes.items())

@@ -1,0 +1,174 @@
+"""The SLO autopilot against fixed knobs on a workload whose shape changes while it runs.
+
+The workload (seeded; token-id prompts from the skewed corpus, forced output lengths, its own
+arrival times), each phase `60 * --scale` seconds:
+  1. chat: 96-256-token prompts, 24-48 output tokens, Poisson at --rate req/s;
+  2. the chat traffic goes on while a burst of long prompts (900-1000 tokens, 16 out) arrives in
+     the phase's first seconds;
+  3. short prompts (16-48 tokens, 16-32 out) at 2x --rate.
+
+One `appliance serve` on 127.0.0.1, three ways, in this order:
+  A. the autopilot on (targets = --slo, bounds below), starting from the default knobs (after a
+     short warm-up; the server is fresh, so no operator change holds it);
+  B. the default knobs, autopilot off;
+  C. the best fixed knobs of a small grid: the grid ranked in simulation on run B's own
+     iterations (what `appliance tune --simulate` does), the top --verify points measured live;
+     the best fixed setting is the best of those and the defaults (run B, a point of the grid)
+     by the sweep's rule (meeting the SLO for --attainment of requests first, then goodput).
+Prints, per way, goodput (share of requests within the SLO, and requests/s) and output
+throughput, then the autopilot's moves with their time and reason. Not a test: the figures
+depend on the machine and its load.
+
+    .venv/bin/python benchmarks/autopilot.py [--scale 1] [--rate 0.5] [--slo ttft=3s,tpot=400ms] [--verify 2]
+
+--scale 0.5 runs in about 7 minutes here (four runs of ~90 s, and the server's start).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import sys
+import time
+
+import httpx
+from bench_server import patch_knobs, server_process
+
+from appliance.bench.loadgen import LoadGenerator
+from appliance.bench.metrics import SLO, parse_slo
+from appliance.bench.report.data import wait_for_server_rows
+from appliance.bench.runner import BenchmarkRun, run_benchmark
+from appliance.bench.tune import TUNED, Grid, run_sweep
+from appliance.bench.workloads import BenchRequest, skewed_corpus_ids
+from appliance.engine.knobs import Knobs
+from appliance.sim import whatif
+from appliance.sim.rank import rank_grid
+from appliance.sim.records import load_run
+
+SERVE_ARGS = ("--num-blocks", "512", "--max-model-len", "1280")
+BOUNDS = ("max_num_seqs=4..128,max_num_batched_tokens=128..2048,long_prefill_token_threshold=32..1024,"
+          "max_num_partial_prefills=1..4,max_long_partial_prefills=1..2")
+GRID = Grid(max_num_seqs=(8, 32, 64), max_num_batched_tokens=(256, 512, 1024), long_prefill_token_threshold=(64, 256))
+PHASE_S = 60.0
+DEFAULT_SLO = "ttft=3s,tpot=400ms"  # within reach of this 2-core CPU box under shared load
+
+
+def shifting_workload(scale: float, rate: float, seed: int = 0) -> list[BenchRequest]:
+    """The three phases (see the module docstring), in arrival order."""
+    corpus = skewed_corpus_ids()
+    rng = random.Random(seed)
+    phase = PHASE_S * scale
+
+    def make(prompt: tuple[int, int], output: tuple[int, int], at: float) -> BenchRequest:
+        start, plen = rng.randrange(len(corpus)), rng.randint(*prompt)
+        ids = [corpus[(start + i) % len(corpus)] for i in range(plen)]
+        return BenchRequest(None, ids, rng.randint(*output), plen, at)
+
+    def poisson(r: float, since: float, until: float) -> list[float]:
+        t, out = since, []
+        while (t := t + rng.expovariate(r)) < until:
+            out.append(t)
+        return out
+
+    chat = [make((96, 256), (24, 48), t) for t in poisson(rate, 0.0, 2 * phase)]
+    longs = [make((900, 1000), (16, 16), phase + rng.uniform(0.0, min(5.0, phase / 4)))
+             for _ in range(max(2, round(6 * scale)))]
+    short = [make((16, 48), (16, 32), t) for t in poisson(2 * rate, 2 * phase, 3 * phase)]
+    return sorted(chat + longs + short, key=lambda r: r.arrival_offset or 0.0)
+
+
+def measure(url: str, db: str, requests: list[BenchRequest], slo: SLO, name: str) -> BenchmarkRun:
+    run = asyncio.run(run_benchmark(LoadGenerator(requests, base_url=url, slo=slo), workload="shifting", name=name,
+                                    db_url=db))
+    wait_for_server_rows(db, run.run_id, len(requests))
+    return run
+
+
+def figures(run: BenchmarkRun) -> dict[str, float]:
+    s = run.load.summary
+    return {"attainment": (s.slo_met or 0) / max(1, s.num_requests), "goodput": s.goodput or 0.0,
+            "output_throughput": s.output_throughput, "ttft_p99": s.ttft.p99 or 0.0, "tpot_p99": s.tpot.p99 or 0.0}
+
+
+def verified_points(url: str, db: str, requests: list[BenchRequest], slo: SLO, fit_run: str, verify: int,
+                    attainment: float) -> list[tuple[dict[str, int], dict[str, float]]]:
+    """The grid ranked in simulation on `fit_run`'s iterations, the top `verify` measured live:
+    [(knobs, figures)] of each point measured."""
+    run = load_run(db, fit_run)
+    model = whatif.fit_for_run(db, run)
+    sim = whatif.workload_requests(requests, None, 0)
+    ranked, _ = rank_grid(run, model, GRID.points(), sim, slo, attainment)
+    print(f"ranked {len(ranked)} grid points in simulation (step-time held-out error "
+          f"{model.heldout_mape:.1%}); measuring the top {verify} live", file=sys.stderr, flush=True)
+    result = run_sweep(requests, slo, base_url=url, grid=GRID, points=[p.knobs for p in ranked[:verify]],
+                       attainment=attainment, db_url=db, workload="shifting",
+                       progress=lambda line: print(line, file=sys.stderr, flush=True))
+    return [(p.knobs, {"attainment": p.attainment or 0.0, "goodput": p.goodput or 0.0,
+                       "output_throughput": p.output_throughput or 0.0, "ttft_p99": p.ttft_p99 or 0.0,
+                       "tpot_p99": p.itl_p99 or 0.0}) for p in result.points if p.status == "ok"]
+
+
+def best(measured: list[tuple[str, dict[str, float]]], attainment: float) -> tuple[str, dict[str, float]]:
+    """The sweep's rule: meeting the SLO (`attainment` of requests within it) first, then goodput,
+    then output throughput."""
+    return max(measured, key=lambda m: (m[1]["attainment"] >= attainment, m[1]["goodput"],
+                                        m[1]["output_throughput"]))
+
+
+def autopilot_spec(slo: SLO) -> str:
+    targets = [f"ttft_p99={slo.ttft * 1000:g}ms"] if slo.ttft else []
+    targets += [f"itl_p99={slo.tpot * 1000:g}ms"] if slo.tpot else []
+    return ",".join(targets + [BOUNDS])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--scale", type=float, default=1.0, help="phase length x 60 s (default 1)")
+    parser.add_argument("--rate", type=float, default=0.5, help="chat requests/s (short ones: 2x; default 0.5)")
+    parser.add_argument("--slo", type=parse_slo, default=parse_slo(DEFAULT_SLO),
+                        help=f"the autopilot's p99 targets and each request's SLO (default {DEFAULT_SLO})")
+    parser.add_argument("--verify", type=int, default=2, help="simulator-ranked grid points measured live (default 2)")
+    parser.add_argument("--attainment", type=float, default=0.9, help="share of requests within the SLO to meet it")
+    args = parser.parse_args()
+    requests = shifting_workload(args.scale, args.rate)
+    print(f"workload: {len(requests)} requests over {3 * PHASE_S * args.scale:.0f} s; SLO {args.slo}", flush=True)
+    defaults = Knobs().as_dict()
+    started = time.time()
+    with server_process(*SERVE_ARGS) as server:
+        url, db = server.base_url, server.db_url
+        asyncio.run(LoadGenerator(requests[:4], base_url=url).run())  # warm up (not measured)
+        spec = {"enabled": True, "spec": autopilot_spec(args.slo)}
+        httpx.patch(f"{url}/admin/autopilot", json=spec, timeout=30).raise_for_status()
+        pilot = measure(url, db, requests, args.slo, "autopilot from defaults")
+        view = httpx.patch(f"{url}/admin/autopilot", json={"enabled": False}, timeout=30).json()
+        patch_knobs(url, defaults)
+        default_run = measure(url, db, requests, args.slo, "default knobs")
+        verified = verified_points(url, db, requests, args.slo, default_run.run_id, args.verify, args.attainment)
+    tuned = {k: defaults[k] for k in TUNED}
+    fixed_name, fixed = best([(str(tuned), figures(default_run)), *((str(k), f) for k, f in verified)],
+                             args.attainment)
+    rows = [("default knobs", figures(default_run)), *((f"grid point {k}", f) for k, f in verified),
+            (f"best fixed: {fixed_name}", fixed), ("autopilot from defaults", figures(pilot))]
+    print(f"\nSLO {args.slo} (attainment = share of requests within it); {time.time() - started:.0f} s in all")
+    print(f"{'way':<84} {'attain':>7} {'goodput':>9} {'out tok/s':>10} {'TTFT p99':>9} {'TPOT p99':>9}")
+    for name, f in rows:
+        print(f"{name:<84} {f['attainment']:>7.1%} {f['goodput']:>7.2f}/s {f['output_throughput']:>10.1f} "
+              f"{f['ttft_p99']:>8.2f}s {f['tpot_p99'] * 1000:>7.0f}ms")
+    base = figures(default_run)["attainment"]
+    if base > 0:
+        print(f"autopilot attainment / defaults': {figures(pilot)['attainment'] / base:.2f}x")
+    if fixed["attainment"] > 0:
+        print(f"autopilot attainment / best fixed's: {figures(pilot)['attainment'] / fixed['attainment']:.2f}x")
+    print(f"\nautopilot moves ({len(view['moves'])}):")
+    for move in view["moves"]:
+        print(f"  +{move['at'] - pilot.load.started_at:6.1f} s  v{move['version']}  {move['reason']}")
+    if view.get("last_decision"):
+        print(f"  latest decision: {view['last_decision']['reason']}")
+    if view.get("error"):
+        print(f"  the autopilot turned itself off: {view['error']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
