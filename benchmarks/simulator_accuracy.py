@@ -29,7 +29,7 @@ from typing import Any
 from bench_server import patch_knobs, server_process
 
 from appliance.bench.loadgen import LoadGenerator
-from appliance.bench.report_data import wait_for_server_rows
+from appliance.bench.report.data import wait_for_server_rows
 from appliance.bench.runner import BenchmarkRun, run_benchmark
 from appliance.bench.workloads import skewed
 from appliance.sim import whatif
