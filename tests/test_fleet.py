@@ -149,6 +149,20 @@ def test_a_load_test_through_the_fleet_reports_its_size_and_balance(fleet, repli
     assert summary.balance.startswith("2 replicas: ")
 
 
+def test_the_fleet_size_is_a_telemetry_series(fleet, replica_ids):
+    """The ingress stores the number of live replicas when it changes: the series reaches 2."""
+    from appliance.telemetry import fleet_sizes
+
+    deadline = time.monotonic() + 60
+    while True:
+        points = fleet_sizes.series(fleet.db_url, "fleet-test", 0.0, time.time() + 1)
+        if points and points[-1][1] == len(replica_ids):
+            break
+        assert time.monotonic() < deadline, points
+        time.sleep(0.5)
+    assert all(0 <= n <= 2 for _, n in points) and [t for t, _ in points] == sorted(t for t, _ in points)
+
+
 def test_streaming_goes_through_end_to_end(fleet, replica_ids):
     client = openai.OpenAI(base_url=f"{fleet.base_url}/v1", api_key="unused", max_retries=0, timeout=300)
     messages = [{"role": "user", "content": PROMPTS[0]}]

@@ -24,6 +24,7 @@ TABLES = {
     "run_requests",
     "telemetry_drops",
     "step_time_models",
+    "fleet_sizes",
 }
 
 
@@ -44,9 +45,9 @@ def _tables_and_indexes(url: str) -> tuple[set[str], set[str]]:
 
 
 def test_revisions_are_linear_with_a_head() -> None:
-    assert store.revisions() == ["0006_knob_reasons", "0005_prefix_cache", "0004_binding_counters",
+    assert store.revisions() == ["0007_fleet_sizes", "0006_knob_reasons", "0005_prefix_cache", "0004_binding_counters",
                                  "0003_step_time_models", "0002", "0001"]
-    assert store.head() == "0006_knob_reasons"
+    assert store.head() == "0007_fleet_sizes"
     assert store.MIGRATIONS_DIR.name == "migrations" and (store.MIGRATIONS_DIR / "env.py").exists()
 
 
@@ -69,6 +70,8 @@ def test_downgrade_one_step_and_upgrade_again_keeps_data(url: str, tmp_path: Pat
             " VALUES ('r1', 'a', 'n', 'w', '{}', '{}', 1.0, 'running')"
         )
     store.downgrade(url, "-1")
+    assert store.current(url) == "0006_knob_reasons" and "fleet_sizes" not in _tables_and_indexes(url)[0]
+    store.downgrade(url, "-1")
     assert store.current(url) == "0005_prefix_cache"
     with sqlite3.connect(tmp_path / "appliance.db") as raw:
         columns = {row[1] for row in raw.execute("PRAGMA table_info(knob_changes)")}
@@ -83,14 +86,14 @@ def test_downgrade_one_step_and_upgrade_again_keeps_data(url: str, tmp_path: Pat
     store.downgrade(url, "-1")
     assert store.current(url) == "0002"
     tables, _ = _tables_and_indexes(url)
-    assert tables == TABLES - {"step_time_models"}
+    assert tables == TABLES - {"step_time_models", "fleet_sizes"}
     with sqlite3.connect(tmp_path / "appliance.db") as raw:
         columns = {row[1] for row in raw.execute("PRAGMA table_info(iterations)")}
     assert "decode_context_tokens" not in columns and "decode_tokens" in columns
     store.downgrade(url, "-1")
     assert store.current(url) == "0001"
     tables, indexes = _tables_and_indexes(url)
-    assert tables == TABLES - {"step_time_models"} and not {i for i in indexes if i.startswith("ix_")}
+    assert tables == TABLES - {"step_time_models", "fleet_sizes"} and not {i for i in indexes if i.startswith("ix_")}
     store.upgrade(url)
     assert store.current(url) == store.head()
     with sqlite3.connect(tmp_path / "appliance.db") as raw:

@@ -29,6 +29,7 @@ from ..server.protocol import parse_json, read_body
 from ..server.state import AppState, ServerConfig
 from .bridge import BufferedResponse, ForwardedRequest, ResponseStart
 from .metrics import merge_replica_metrics
+from .sizes import record_sizes
 
 log = logging.getLogger(__name__)
 
@@ -157,9 +158,15 @@ def build_ingress(fleet: Fleet, on_shutdown: Callable[[], None] | None = None) -
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        stop = asyncio.Event()
+        sampler = (asyncio.ensure_future(record_sizes(fleet.replicas, config.db_url, config.replica_id, stop))
+                   if config.db_url else None)
         try:
             yield
         finally:
+            stop.set()
+            if sampler is not None:
+                await sampler
             if on_shutdown is not None:
                 on_shutdown()
 

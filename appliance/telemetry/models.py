@@ -182,6 +182,19 @@ class TelemetryDrop(Base):
     count: Mapped[int] = mapped_column(Integer)
 
 
+class FleetSize(Base):
+    """A fleet's size when it changed: how many replicas served from `at` on (recorded by the
+    fleet's ingress; a single process records none)."""
+
+    __tablename__ = "fleet_sizes"
+    __table_args__ = (Index("ix_fleet_sizes_fleet_at", "fleet_id", "at"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    fleet_id: Mapped[str] = mapped_column(String(64))
+    at: Mapped[float] = mapped_column(Double)
+    replicas: Mapped[int] = mapped_column(Integer)
+
+
 class StepTimeModelRow(Base):
     """One fitted step-time model (appliance.sim.fit): seconds per iteration as a linear function
     of the iteration's composition, for one engine configuration (the key), fitted on the
