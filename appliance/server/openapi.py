@@ -44,6 +44,11 @@ def _model_schemas(models: RequestModels) -> dict[str, Any]:
     knobs = schemas["Knobs"]
     schemas["KnobPatch"] = {"type": "object", "additionalProperties": False, "properties": {
         name: {k: v for k, v in prop.items() if k != "default"} for name, prop in knobs["properties"].items()}}
+    simulate = schemas["SimulateRequest"]  # what its validator adds: exactly one source, knobs by name
+    simulate["oneOf"] = [{"required": ["run_id"], "properties": {"run_id": {"type": "string"}}},
+                         {"required": ["last_minutes"], "properties": {"last_minutes": {"type": "number"}}}]
+    simulate["properties"]["knobs"] = {**_ref("KnobPatch"), "description": simulate["properties"]["knobs"].get(
+        "description", "")}
     return schemas
 
 
@@ -151,11 +156,11 @@ def build_openapi(models: RequestModels, model: str, auth: bool) -> dict[str, An
     })
     simulate = admin("post", "Simulation", "predict a knob change by replaying a run or the last minutes "
                      "(nothing applied)", {
-        "400": _json(_ref("KnobErrorResponse"), "bad body, unknown run, invalid knobs, or a run that cannot be "
-                     "replayed"),
+        "400": _error("malformed JSON, a bad field, an unknown run, a run that cannot be replayed, or invalid "
+                      "knobs (then with `errors`: each bad knob and why)"),
         "413": _error("request body too large"),
         "422": _error("no iterations of the running configuration to predict from"),
-        "503": _error("no telemetry store"),
+        "409": _error("the server runs without a telemetry store"),
     })
     simulate["post"]["requestBody"] = {"required": True, "content": {"application/json": {
         "schema": _ref("SimulateRequest")}}}

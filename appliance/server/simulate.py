@@ -141,7 +141,7 @@ async def simulate(request: Request) -> JSONResponse:
     state: AppState = request.app.state.appliance
     query = parse_query(parse_json(await read_body(request, state.config.max_body_bytes)))
     if state.config.db_url is None:
-        raise APIError(503, "this server keeps no telemetry store, so it has nothing to simulate from",
+        raise APIError(409, "this server runs without a telemetry store (--no-telemetry): nothing to simulate from",
                        code=ServerErrorCode.NO_TELEMETRY_STORE)
     knobs = state.knob_snapshot()
     running = Running(state.config.replica_id, knobs.knobs, state.fixed(), [c.as_dict() for c in knobs.history],
