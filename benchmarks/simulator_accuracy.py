@@ -1,6 +1,8 @@
 """How well `appliance simulate` predicts a knob change, measured side by side in one script.
 
-1. Start `appliance serve` (its own store), set knobs A and record the workload once.
+1. Start `appliance serve` (its own store), run the workload once at A to warm the server up
+   (its first run after start is slower: first-time allocations, packing, kernel loads; not
+   fitted, not compared), then set knobs A and record the workload once.
 2. Fit the step-time model on that run's iterations (appliance.sim), and predict the workload at A
    and at the other settings by replay (no traffic).
 3. Measure every setting live, twice, alternating (A B C D E, then E D C B A) so drift hits all
@@ -102,6 +104,8 @@ def main() -> int:
 
     with server_process("--dtype", args.dtype, "--max-num-seqs", "64", "--max-num-batched-tokens", "512") as srv:
         db = srv.db_url
+        print("warming up at A ...", file=sys.stderr, flush=True)
+        measure(srv.base_url, db, requests, args.rate, args.seed, "A")
         print("recording A ...", file=sys.stderr, flush=True)
         recorded = measure(srv.base_url, db, requests, args.rate, args.seed, "A")
         base_run = load_run(db, recorded.run_id)

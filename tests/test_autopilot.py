@@ -231,6 +231,12 @@ def test_admin_autopilot_route(live_server):
     assert bad.status_code == 422 and "spec.ttft_p99" in bad.json()["error"]["message"]
     assert httpx.get(f"{base}/admin/autopilot").json() == view  # nothing changed
     assert httpx.patch(f"{base}/admin/autopilot", json={"enabled": True}).status_code == 422  # no targets yet
+    for body, named in (({"enabled": "yes"}, "enabled"), ({"spec": {"targets": 5}}, "spec.targets"),
+                        ({"spec": {"targets": {"ttft_p99": 1}, "bounds": {"max_num_seqs": [2, 10**9]}}},
+                         "spec.max_num_seqs"), ({"switch": True}, "switch"), ([1], "body")):
+        refused = httpx.patch(f"{base}/admin/autopilot", json=body)
+        assert refused.status_code == 422 and named in refused.json()["errors"], (body, refused.text)
+    assert httpx.get(f"{base}/admin/autopilot").json() == view  # nothing changed
     on = httpx.patch(f"{base}/admin/autopilot", json={"enabled": True, "spec": "ttft_p99=2s,max_num_seqs=8..64"})
     assert on.status_code == 200
     assert on.json()["enabled"] is True and on.json()["spec"] == {"targets": {"ttft_p99": 2.0},

@@ -500,11 +500,11 @@ def test_admin_views(http, live_server):
     assert state["telemetry_rows_dropped"] == 0 and state["uptime_s"] > 0
     schema = http.get("/openapi.json").json()
     assert set(schema["paths"]) >= {CHAT, COMP, "/v1/models", "/admin/knobs", "/admin/knobs/history", "/admin/state",
-                                    "/admin/simulate", "/health", "/metrics"}
+                                    "/admin/simulate", "/admin/autopilot", "/health", "/metrics"}
     import schemathesis
 
     operations = [op.ok() for op in schemathesis.openapi.from_dict(schema).get_all_operations()]
-    assert len(operations) == 10
+    assert len(operations) == 12
 
 
 # -- metrics --------------------------------------------------------------------------------------

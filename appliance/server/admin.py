@@ -5,9 +5,13 @@ from __future__ import annotations
 import asyncio
 import re
 
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.requests import Request
 
 from ..engine import KnobError
+from ..engine.validation import problems
 from ..wire import REASON_HEADER, SOURCE_HEADER
 from .autopilot_policy import SpecError, parse_spec
 from .errors import APIError, JSONResponse, ServerErrorCode
@@ -17,6 +21,17 @@ from .state import AppState
 MAX_REASON_CHARS = 500
 _SOURCE_RE = re.compile(r"[a-z][a-z0-9_-]{0,31}")
 KNOB_UPDATE_TIMEOUT_S = 30.0
+
+
+class AutopilotPatch(BaseModel):
+    """The body of PATCH /admin/autopilot: switch it, give it targets and bounds, or both."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    enabled: bool | None = Field(None, description="switch the autopilot on or off")
+    spec: str | dict[str, Any] | None = Field(
+        None, description='SLO targets and knob bounds: "ttft_p99=1s,itl_p99=150ms,max_num_seqs=8..128", or '
+                          '{"targets": {"ttft_p99": 1.0}, "bounds": {"max_num_seqs": [8, 128]}}')
 
 
 def _state(request: Request) -> AppState:
@@ -89,20 +104,19 @@ async def autopilot(request: Request) -> JSONResponse:
     if request.method == "PATCH":
         body = parse_json(await read_body(request, state.config.max_body_bytes))
         errors: dict[str, str] = {}
-        if not isinstance(body, dict):
-            errors["body"] = 'must be a JSON object with "enabled" and/or "spec"'
-            body = {}
-        errors.update({k: "unknown field" for k in body if k not in ("enabled", "spec")})
-        enabled = body.get("enabled")
-        if enabled is not None and not isinstance(enabled, bool):
-            errors["enabled"] = f"must be true or false, got {enabled!r}"
-        spec = None
-        if body.get("spec") is not None:
+        try:
+            patch = AutopilotPatch.model_validate(body)
+        except ValidationError as exc:
+            described = {name: f.description for name, f in AutopilotPatch.model_fields.items() if f.description}
+            errors = {p.param: p.detail for p in problems(exc, descriptions=described)}
+            patch = AutopilotPatch()
+        enabled, spec = patch.enabled, None
+        if patch.spec is not None:
             try:
-                spec = parse_spec(body["spec"])
+                spec = parse_spec(patch.spec)
             except SpecError as exc:
                 errors.update({f"spec.{k}": v for k, v in exc.errors.items()})
-        if enabled and spec is None and state.autopilot.spec is None:
+        if enabled and spec is None and state.autopilot.spec is None and "spec" not in errors:
             errors["spec"] = "targets are required to switch the autopilot on"
         if errors:
             message = "invalid autopilot settings: " + "; ".join(f"{k}: {v}" for k, v in errors.items())

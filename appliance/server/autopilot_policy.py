@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from appliance.engine.knobs import KnobError, Knobs
+from appliance.engine.knobs import KnobError, Knobs, field_errors
 from appliance.records import HoldCause, IterationStats, RequestStats
 
 TARGETS = ("ttft_p99", "itl_p99")
@@ -57,11 +57,18 @@ def parse_spec(text: str | Mapping[str, Any]) -> Spec:
     """"ttft_p99=1s,itl_p99=150ms,max_num_seqs=8..128" (or the same as a mapping with
     "targets" / "bounds"). Raises SpecError naming every bad entry."""
     if isinstance(text, Mapping):
-        items = [(k, v) for k, v in dict(text.get("targets") or {}).items()]
-        items += [(k, f"{v[0]}..{v[1]}" if isinstance(v, (list, tuple)) and len(v) == 2 else v)
-                  for k, v in dict(text.get("bounds") or {}).items()]
-        unknown = set(text) - {"targets", "bounds"}
-        errors = {k: "unknown field (use targets and bounds)" for k in unknown}
+        errors = {str(k): "unknown field (use targets and bounds)" for k in set(text) - {"targets", "bounds"}}
+        parts = {}
+        for name in ("targets", "bounds"):
+            part = text.get(name) or {}
+            if isinstance(part, Mapping):
+                parts[name] = part
+            else:
+                errors[name] = f"must be an object of name: value, got {part!r}"
+                parts[name] = {}
+        items = [(str(k), v) for k, v in parts["targets"].items()]
+        items += [(str(k), f"{v[0]}..{v[1]}" if isinstance(v, (list, tuple)) and len(v) == 2 else v)
+                  for k, v in parts["bounds"].items()]
     else:
         errors = {}
         items = []
@@ -76,7 +83,7 @@ def parse_spec(text: str | Mapping[str, Any]) -> Spec:
     for key, value in items:
         if key in TARGETS:
             seconds = _seconds(value)
-            if seconds is None or seconds <= 0:
+            if seconds is None or not 0 < seconds < math.inf:
                 errors[key] = f"must be a positive duration such as 1s or 150ms, got {value!r}"
             else:
                 targets[key] = seconds
@@ -85,6 +92,8 @@ def parse_spec(text: str | Mapping[str, Any]) -> Spec:
             lo, hi = (int(m.group(1)), int(m.group(2))) if m else (0, -1)
             if not m or not 1 <= lo <= hi:
                 errors[key] = f"must be a range lo..hi with 1 <= lo <= hi, got {value!r}"
+            elif bad := field_errors({key: hi}):
+                errors[key] = f"the upper bound {hi}: {bad[key]}"
             else:
                 bounds[key] = (lo, hi)
         elif key not in errors:

@@ -13,6 +13,8 @@ from pydantic.json_schema import models_json_schema
 from ..engine.knobs import Knobs
 from ..engine.stats import FinishReason
 from ..wire import REASON_HEADER, SOURCE_HEADER
+from .admin import AutopilotPatch
+from .autopilot_policy import TARGETS, TUNABLE
 from .protocol import RequestModels
 from .simulate import SimulateRequest
 
@@ -36,10 +38,11 @@ def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
 
 
 def _model_schemas(models: RequestModels) -> dict[str, Any]:
-    """Components for the request models, the knobs and the simulation request (nested models
-    included), and KnobPatch: any subset of the knobs."""
+    """Components for the request models, the knobs, the simulation request and the autopilot's
+    switch (nested models included), and KnobPatch: any subset of the knobs."""
     _, top = models_json_schema([(models.chat, "validation"), (models.completion, "validation"),
-                                 (Knobs, "serialization"), (SimulateRequest, "validation")], ref_template=REF)
+                                 (Knobs, "serialization"), (SimulateRequest, "validation"),
+                                 (AutopilotPatch, "validation")], ref_template=REF)
     schemas = top["$defs"]
     knobs = schemas["Knobs"]
     schemas["KnobPatch"] = {"type": "object", "additionalProperties": False, "properties": {
@@ -49,6 +52,20 @@ def _model_schemas(models: RequestModels) -> dict[str, Any]:
                          {"required": ["last_minutes"], "properties": {"last_minutes": {"type": "number"}}}]
     simulate["properties"]["knobs"] = {**_ref("KnobPatch"), "description": simulate["properties"]["knobs"].get(
         "description", "")}
+    spec = schemas["AutopilotPatch"]["properties"]["spec"]  # the names parse_spec knows, in both forms
+    names = "|".join((*TARGETS, *TUNABLE))
+    spec["anyOf"] = [
+        {"type": "string", "pattern": f"^\\s*({names})=[^,]+(,\\s*({names})=[^,]+)*$"},
+        {"type": "object", "additionalProperties": False, "required": ["targets"], "properties": {
+            "targets": {"type": "object", "additionalProperties": False, "minProperties": 1, "properties": {
+                name: {"type": "number", "exclusiveMinimum": 0, "description": "seconds"} for name in TARGETS}},
+            "bounds": {"type": "object", "additionalProperties": False, "properties": {
+                name: {"type": "array", "minItems": 2, "maxItems": 2, "description": "[lo, hi], lo <= hi",
+                       "items": {k: v for k, v in knobs["properties"][name].items() if k in ("type", "minimum",
+                                                                                              "maximum")}}
+                for name in TUNABLE}}}},
+        {"type": "null"},
+    ]
     return schemas
 
 
@@ -118,6 +135,14 @@ def build_openapi(models: RequestModels, model: str, auth: bool) -> dict[str, An
             "recorded": _nullable({"type": "object"}), "recorded_by": {"type": "string", "enum": ["client", "server"]},
             "baseline": {"type": "object"}, "predicted": {"type": "object"}, "knobs": _ref("Knobs"),
             "elapsed_s": {"type": "number"}}},
+        "Autopilot": {"type": "object", "required": ["enabled", "status", "spec", "moves"], "properties": {
+            "enabled": {"type": "boolean"}, "status": {"type": "string"}, "error": _nullable({"type": "string"}),
+            "spec": _nullable({"type": "object", "properties": {"targets": {"type": "object"},
+                                                                 "bounds": {"type": "object"}}}),
+            "window_s": {"type": "number"}, "cooldown_s": {"type": "number"}, "manual_hold_s": {"type": "number"},
+            "simulator": {"type": "boolean", "description": "moves are chosen with the what-if simulator"},
+            "last_decision": _nullable({"type": "object"}),
+            "moves": {"type": "array", "items": {"type": "object"}}}},
         "ModelList": {"type": "object", "required": ["object", "data"], "properties": {
             "object": {"type": "string", "enum": ["list"]}, "data": {"type": "array", "items": {
                 "type": "object", "required": ["id", "object"], "properties": {
@@ -162,6 +187,14 @@ def build_openapi(models: RequestModels, model: str, auth: bool) -> dict[str, An
         "422": _error("no iterations of the running configuration to predict from"),
         "409": _error("the server runs without a telemetry store"),
     })
+    autopilot = {**admin("get", "Autopilot", "the SLO autopilot: switch, targets, status and recent moves"),
+                 **admin("patch", "Autopilot", "switch the autopilot, or give it targets and knob bounds", {
+                     "400": _error("malformed JSON"),
+                     "413": _error("request body too large"),
+                     "422": _json(_ref("KnobErrorResponse"), "invalid settings (nothing changed)"),
+                 })}
+    autopilot["patch"]["requestBody"] = {"required": True, "content": {"application/json": {
+        "schema": _ref("AutopilotPatch")}}}
     simulate["post"]["requestBody"] = {"required": True, "content": {"application/json": {
         "schema": _ref("SimulateRequest")}}}
     patch["patch"]["requestBody"] = {"required": True, "content": {"application/json": {"schema": _ref("KnobPatch")}}}
@@ -180,6 +213,7 @@ def build_openapi(models: RequestModels, model: str, auth: bool) -> dict[str, An
             "/admin/knobs/history": admin("get", "KnobHistory", "every knob change"),
             "/admin/state": admin("get", "EngineState", "engine state"),
             "/admin/simulate": simulate,
+            "/admin/autopilot": autopilot,
             "/health": {"get": {"summary": "readiness", "responses": {
                 "200": _json({"type": "object", "properties": {"status": {"type": "string"}}}, "ready"),
                 "503": _json({"type": "object", "properties": {"status": {"type": "string"}}},
