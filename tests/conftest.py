@@ -96,13 +96,16 @@ def tcp_socket() -> socket.socket:
 
 
 @contextmanager
-def run_app(app) -> Iterator[str]:
-    """Serve an ASGI app with uvicorn in a thread on a free 127.0.0.1 port; yield its base URL."""
+def run_app(app: Any = None, *, build: Callable[[str], Any] | None = None) -> Iterator[str]:
+    """Serve an ASGI app with uvicorn in a thread on a free 127.0.0.1 port; yield its base URL.
+    An app that must know its own URL (one that mounts the dashboard) is made by `build(url)`."""
     import uvicorn
 
     sock = tcp_socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
+    if build is not None:
+        app = build(f"http://127.0.0.1:{port}")
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name=f"uvicorn-{port}", daemon=True)
     thread.start()
@@ -277,3 +280,23 @@ def dashboard_server(loaded_model, tmp_path_factory) -> Iterator[DashboardServer
     db_url = f"sqlite:///{tmp_path_factory.mktemp('ui-telemetry') / 'telemetry.db'}"
     with serve_dashboard(loaded_model, db_url) as server:
         yield server
+
+
+# -- a real browser ------------------------------------------------------------------------------
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+
+
+@pytest.fixture(scope="module")
+def browser():
+    """One headless Chromium (Debian's, through Playwright) per test module: Playwright's sync API
+    allows one at a time."""
+    if not CHROMIUM.exists():
+        pytest.skip("Debian chromium is not installed at /usr/bin/chromium")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        yield browser
+        browser.close()

@@ -149,6 +149,47 @@ def test_a_load_test_through_the_fleet_reports_its_size_and_balance(fleet, repli
     assert summary.balance.startswith("2 replicas: ")
 
 
+@pytest.mark.browser
+def test_the_dashboards_replica_selector_in_chromium(fleet, replica_ids, browser):
+    """The dashboard on the fleet's port (as `appliance serve --replicas` mounts it): the Live
+    tab's running chart draws each replica and the fleet total, the selector offers the fleet and
+    each replica, and picking one shows that replica alone."""
+    import dataclasses
+
+    from appliance.fleet.ingress import Fleet, build_ingress
+
+    def with_dashboard(url: str):
+        return build_ingress(Fleet(fleet.handle, fleet.registry, dataclasses.replace(
+            fleet.config, db_url=fleet.db_url, self_url=url)))
+
+    client = openai.OpenAI(base_url=f"{fleet.base_url}/v1", api_key="unused", max_retries=0, timeout=300)
+    with ThreadPoolExecutor(16) as pool:  # both replicas run iterations within the Live tab's minute
+        served = {replica for _, replica in pool.map(lambda p: _chat(client, p), PROMPTS * 2)}
+    assert served == set(replica_ids)
+    with run_app(build=with_dashboard) as url:
+        context = browser.new_context(viewport={"width": 1600, "height": 1100})
+        try:
+            page = context.new_page()
+            page.goto(f"{url}/ui")
+            legend = "#chart-running .legendtext"
+            page.wait_for_function(
+                f"""(ids) => {{ const names = [...document.querySelectorAll('{legend}')].map(e => e.textContent);
+                    return names.includes('fleet total (mean)') && ids.every(id => names.includes('replica ' + id)); }}""",
+                arg=replica_ids, timeout=60_000)
+            page.locator("#live-replica input").click()
+            options = page.get_by_role("option")
+            options.filter(has_text=f"replica {replica_ids[1]}").wait_for(timeout=30_000)
+            assert {"fleet (all replicas)", *(f"replica {r}" for r in replica_ids)} <= {
+                text.strip() for text in options.all_text_contents()}
+            options.filter(has_text=f"replica {replica_ids[0]}").click()
+            page.wait_for_function(
+                f"""() => {{ const names = [...document.querySelectorAll('{legend}')].map(e => e.textContent);
+                    return names.includes('running (mean)') && !names.some(n => n.startsWith('replica ')); }}""",
+                timeout=60_000)
+        finally:
+            context.close()
+
+
 def test_the_fleet_size_is_a_telemetry_series(fleet, replica_ids):
     """The ingress stores the number of live replicas when it changes: the series reaches 2."""
     from appliance.telemetry import fleet_sizes

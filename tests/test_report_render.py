@@ -21,9 +21,6 @@ from bench_live_server import REPLICA, telemetry_server
 from report_runs import make_runs
 
 ARTIFACTS = Path(__file__).resolve().parents[1] / "test-artifacts"
-CHROMIUM = Path("/usr/bin/chromium")
-ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-        "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 LABELS = {"ttft": "TTFT", "tpot": "TPOT", "itl": "ITL", "e2e": "E2E"}
 
 
@@ -169,11 +166,7 @@ def test_report_command(stored, ids, tmp_path, capsys):
 
 
 @pytest.mark.browser
-def test_html_opens_offline_in_chromium(stored, ids, tmp_path):
-    if not CHROMIUM.exists():
-        pytest.skip("Debian chromium is not installed at /usr/bin/chromium")
-    from playwright.sync_api import sync_playwright
-
+def test_html_opens_offline_in_chromium(stored, ids, tmp_path, browser):
     path = tmp_path / "report.html"
     path.write_text(render_report(stored.db, ids, "html"), encoding="utf-8")
     attempted: list[str] = []
@@ -187,23 +180,21 @@ def test_html_opens_offline_in_chromium(stored, ids, tmp_path):
             attempted.append(url)
             route.abort()
 
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=ARGS)
-        context = browser.new_context(viewport={"width": 1400, "height": 1000})
-        context.route("**/*", gate)
-        page = context.new_page()
-        page.on("pageerror", lambda exc: errors.append(str(exc)))
-        page.on("request", lambda r: None if r.url.startswith(("file://", "about:", "data:")) else attempted.append(r.url))
-        page.goto(path.as_uri())
-        page.wait_for_selector(".chart .main-svg", timeout=60_000)
-        page.wait_for_function(
-            "() => [...document.querySelectorAll('.chart')].every(d => d.querySelector('.main-svg'))",
-            timeout=60_000)
-        charts = page.locator(".chart").count()
-        titles = page.locator(".chart .gtitle").all_text_contents()
-        ARTIFACTS.mkdir(exist_ok=True)
-        page.screenshot(path=str(ARTIFACTS / "report.png"), full_page=True)
-        browser.close()
+    context = browser.new_context(viewport={"width": 1400, "height": 1000})
+    context.route("**/*", gate)
+    page = context.new_page()
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    page.on("request", lambda r: None if r.url.startswith(("file://", "about:", "data:")) else attempted.append(r.url))
+    page.goto(path.as_uri())
+    page.wait_for_selector(".chart .main-svg", timeout=60_000)
+    page.wait_for_function(
+        "() => [...document.querySelectorAll('.chart')].every(d => d.querySelector('.main-svg'))",
+        timeout=60_000)
+    charts = page.locator(".chart").count()
+    titles = page.locator(".chart .gtitle").all_text_contents()
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "report.png"), full_page=True)
+    context.close()
     assert attempted == [] and errors == []
     assert charts == 12
     assert {"Running and waiting requests", "KV cache usage", "Tokens per iteration",

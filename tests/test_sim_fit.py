@@ -87,3 +87,22 @@ def test_predictions_never_go_below_the_floor():
     from appliance.sim.fit import MIN_STEP_S, Composition
 
     assert model.predict(Composition(0, 0, 0, 0)) == MIN_STEP_S
+
+
+def test_the_spread_of_step_times_is_kept_as_percentiles_and_drawn_by_quantile():
+    from appliance.sim.fit import Composition
+
+    exact = fit_step_time(synthetic_rows(200, noise=0.0), KEY)
+    assert exact.noise == pytest.approx([1.0] * 101)  # no spread: every ratio is 1
+    model = fit_step_time(synthetic_rows(4000, noise=0.2, seed=2), KEY)
+    # durations are exact * (1 + uniform(-0.2, 0.2)): the ratios' percentiles follow that uniform,
+    # up to the fit's own error (a few percent here) and sampling (3,200 fitted rows)
+    assert len(model.noise) == 101 and list(model.noise) == sorted(model.noise)
+    for q in (10, 25, 50, 75, 90):
+        assert model.noise[q] == pytest.approx(0.8 + 0.4 * q / 100, abs=0.04), q
+    c = Composition(8, 64, 1, 2000)
+    assert model.step(c, 0.5)[0] == pytest.approx(model.predict(c) * model.noise[50])
+    assert model.step(c, 0.9)[0] == pytest.approx(model.predict(c) * model.noise[90])
+    assert model.step(c, 0.25)[0] < model.step(c, 0.75)[0]
+    model.noise = ()  # a model stored before the spread was kept: its point estimate
+    assert model.step(c, 0.99)[0] == model.predict(c)

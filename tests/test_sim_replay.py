@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
 
 from appliance.bench.metrics import SLO
 from appliance.engine.knobs import Knobs
-from appliance.sim.fit import INTERCEPT, EngineKey, StepTimeModel
+from appliance.sim.fit import INTERCEPT, EngineKey, StepTimeModel, composition_of
 from appliance.sim.replay import CacheShape, ReplayError, SimRequest, replay
 
 KEY = EngineKey("m", "float32", "cpu")
@@ -105,3 +106,41 @@ def test_replay_is_deterministic_and_fast_enough_to_sweep():
 def test_a_request_the_engine_cannot_hold_is_an_error_naming_it(request_, cache, message):
     with pytest.raises(ReplayError, match=message):
         replay([SimRequest(0, 10, 10), request_], Knobs(), cache, model())
+
+
+def test_step_time_spread_is_drawn_per_iteration_the_same_way_for_the_same_seed():
+    requests = random_requests(40, rate=20.0, seed=5)
+    plain = replay(requests, Knobs(), CacheShape(512, 16, 1024), model())
+    doubled = model()
+    doubled.noise = (2.0,) * 101
+    twice = replay(requests, Knobs(), CacheShape(512, 16, 1024), doubled)
+    assert sum(it.duration_s for it in twice.iterations) > 1.5 * sum(it.duration_s for it in plain.iterations)
+    spread = model()
+    spread.noise = tuple(0.5 + i / 100 for i in range(101))  # ratios 0.5 .. 1.5
+    a, b = (replay(requests, Knobs(), CacheShape(512, 16, 1024), spread, seed=7) for _ in range(2))
+    assert [it.duration_s for it in a.iterations] == [it.duration_s for it in b.iterations]
+    c = replay(requests, Knobs(), CacheShape(512, 16, 1024), spread, seed=8)
+    assert [it.duration_s for it in c.iterations] != [it.duration_s for it in a.iterations]
+    for it in a.iterations:  # each lasts its composition's prediction times a ratio within the spread
+        ratio = it.duration_s / spread.predict(composition_of(dataclasses.asdict(it)))
+        assert 0.5 - 1e-9 <= ratio <= 1.5 + 1e-9
+    assert a.summary.completed == c.summary.completed == len(requests)
+
+
+def test_recorded_cache_hits_are_replayed_only_with_prefix_caching_on():
+    # 100-token prompt of which 64 were served from the cache: 36 computed (2 chunks of 32 -> 1)
+    request = [SimRequest(0.0, 100, 2, cached_tokens=64)]
+    knobs = Knobs(max_num_seqs=4, max_num_batched_tokens=32, long_prefill_token_threshold=32)
+    on = replay(request, knobs, CacheShape(64, 16, 1024), model())
+    assert [it.prefill_tokens for it in on.iterations if it.prefill_seqs] == [32, 4]
+    assert sum(it.prefix_cache_hits for it in on.iterations) == 64
+    off = replay(request, Knobs(max_num_seqs=4, max_num_batched_tokens=32, long_prefill_token_threshold=32,
+                                enable_prefix_caching=False), CacheShape(64, 16, 1024), model())
+    assert [it.prefill_tokens for it in off.iterations if it.prefill_seqs] == [32, 32, 32, 4]
+    # a hit is whole blocks and never the last prompt token: 20 cached of a 20-token prompt -> 16
+    short = replay([SimRequest(0.0, 20, 1, cached_tokens=20)], knobs, CacheShape(64, 16, 1024), model())
+    assert [it.prefill_tokens for it in short.iterations] == [4]
+    # no room to hold the prefix when it arrives (the cache is full with a running request): a miss
+    tight = replay([SimRequest(0.0, 100, 28), SimRequest(0.01, 40, 1, cached_tokens=32)],
+                   Knobs(), CacheShape(8, 16, 128), model())
+    assert tight.summary.completed == 2 and sum(it.prefix_cache_hits for it in tight.iterations) == 0

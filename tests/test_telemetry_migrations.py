@@ -45,9 +45,9 @@ def _tables_and_indexes(url: str) -> tuple[set[str], set[str]]:
 
 
 def test_revisions_are_linear_with_a_head() -> None:
-    assert store.revisions() == ["0007_fleet_sizes", "0006_knob_reasons", "0005_prefix_cache", "0004_binding_counters",
-                                 "0003_step_time_models", "0002", "0001"]
-    assert store.head() == "0007_fleet_sizes"
+    assert store.revisions() == ["0008_step_time_noise", "0007_fleet_sizes", "0006_knob_reasons", "0005_prefix_cache",
+                                 "0004_binding_counters", "0003_step_time_models", "0002", "0001"]
+    assert store.head() == "0008_step_time_noise"
     assert store.MIGRATIONS_DIR.name == "migrations" and (store.MIGRATIONS_DIR / "env.py").exists()
 
 
@@ -69,6 +69,11 @@ def test_downgrade_one_step_and_upgrade_again_keeps_data(url: str, tmp_path: Pat
             "INSERT INTO runs (id, replica_id, name, workload, arrival, knobs, started_at, status)"
             " VALUES ('r1', 'a', 'n', 'w', '{}', '{}', 1.0, 'running')"
         )
+    store.downgrade(url, "-1")
+    assert store.current(url) == "0007_fleet_sizes"
+    with sqlite3.connect(tmp_path / "appliance.db") as raw:
+        columns = {row[1] for row in raw.execute("PRAGMA table_info(step_time_models)")}
+    assert "noise" not in columns and "gap_s" in columns
     store.downgrade(url, "-1")
     assert store.current(url) == "0006_knob_reasons" and "fleet_sizes" not in _tables_and_indexes(url)[0]
     store.downgrade(url, "-1")

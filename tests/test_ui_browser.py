@@ -17,9 +17,6 @@ pytestmark = pytest.mark.browser
 
 ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = ROOT / "test-artifacts"
-CHROMIUM = Path("/usr/bin/chromium")
-ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-        "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 CHARTS = ("chart-running", "chart-waiting", "chart-kv", "chart-tokens", "chart-step-time",
           "chart-throughput", "chart-ttft", "chart-itl", "chart-held",
           "chart-prefix-cache")
@@ -33,23 +30,10 @@ def server(dashboard_server):
 
 
 @pytest.fixture(scope="module")
-def browser():
-    """One headless Chromium for the module (Playwright's sync API allows one at a time)."""
-    if not CHROMIUM.exists():
-        pytest.skip("Debian chromium is not installed at /usr/bin/chromium")
-    from playwright.sync_api import sync_playwright
-
-    ARTIFACTS.mkdir(exist_ok=True)
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=ARGS)
-        yield browser
-        browser.close()
-
-
-@pytest.fixture(scope="module")
 def page(server, browser):
     """The dashboard open on the Live tab; every request it makes is recorded."""
     outside: list[str] = []
+    ARTIFACTS.mkdir(exist_ok=True)
     context = browser.new_context(viewport={"width": 1600, "height": 1100}, accept_downloads=True)
     page = context.new_page()
     page.on("request", lambda r: outside.append(r.url) if not r.url.startswith(

@@ -24,6 +24,7 @@ from ui.knobs_panel import (
     coerce,
     describe_change,
     diff_knobs,
+    effective_markdown,
     load_presets,
     rejected_markdown,
 )
@@ -61,6 +62,18 @@ def test_form_values_are_coerced_and_only_changes_are_sent():
     assert diff_knobs(current, {"max_num_seqs": 64, "scheduling_policy": "static"}) == {
         "scheduling_policy": "static"}
     assert describe_change(current, {"max_num_seqs": 16}) == "max_num_seqs 64→16"
+
+
+def test_a_fleet_whose_replicas_differ_shows_each_replicas_knobs():
+    same = {"version": 3, "iteration": 9, "knobs": {"max_num_seqs": 8},
+            "replicas": {"a": {"version": 3, "knobs": {"max_num_seqs": 8}}, "b": {"version": 2, "knobs": {"max_num_seqs": 8}}}}
+    text = effective_markdown(same)
+    assert text.startswith("**In force:** version 3") and "| max_num_seqs | 8 |" in text
+    differ = {**same, "replicas": {"a": {"version": 3, "knobs": {"max_num_seqs": 8, "max_num_batched_tokens": 512}},
+                                   "b": {"version": 4, "knobs": {"max_num_seqs": 32, "max_num_batched_tokens": 512}}}}
+    text = effective_markdown(differ)
+    assert text.startswith("**In force per replica** (a v3, b v4): 1 knob(s) differ")
+    assert "| **max_num_seqs** (differs) | 8 | 32 |" in text and "| max_num_batched_tokens | 512 | 512 |" in text
 
 
 def test_rejection_lists_every_field():
@@ -211,6 +224,20 @@ def test_the_replica_selector_shows_one_replica_or_the_whole_fleet(filled_store)
     assert sum(p.count for p in views[None].series["running"].points) == 80  # both replicas' iterations
     assert [c["new"] for c in views["r2"].changes] == [{"max_num_seqs": 8}]
     assert len(views[None].changes) == 2
+    # the fleet's running and tokens/s charts: one line per replica, in its own colour, and the total
+    assert sorted(views[None].by_replica) == ["r1", "r2"] and views["r1"].by_replica == {}
+    figs = dict(zip(live_tab.CHART_IDS, live_tab.figure_specs(views[None])))
+    running = {t["name"]: t for t in figs["chart-running"]["data"]}
+    assert {"fleet total (mean)", "replica r1", "replica r2", "max_num_seqs"} <= set(running)
+    assert running["replica r1"]["line"]["color"] != running["replica r2"]["line"]["color"]
+    total = {x: y for x, y in zip(running["fleet total (mean)"]["x"], running["fleet total (mean)"]["y"])}
+    r2 = dict(zip(running["replica r2"]["x"], running["replica r2"]["y"]))
+    both = [x for x in r2 if x in dict(zip(running["replica r1"]["x"], running["replica r1"]["y"]))]
+    assert both and all(total[x] > r2[x] for x in both)  # r1's sequences are added where both ran
+    throughput = {t["name"] for t in figs["chart-throughput"]["data"]}
+    assert throughput == {"fleet total", "replica r1", "replica r2"}
+    one = {t["name"] for t in dict(zip(live_tab.CHART_IDS, live_tab.figure_specs(views["r1"])))["chart-running"]["data"]}
+    assert one == {"running (mean)", "running (max)", "max_num_seqs"}
 
 
 def test_live_figures_show_the_stored_series_and_the_knob_change(filled_store):

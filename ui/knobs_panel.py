@@ -94,10 +94,22 @@ def describe_change(old: dict[str, Any], new: dict[str, Any]) -> str:
 
 
 def effective_markdown(payload: dict[str, Any]) -> str:
+    """The knobs in force (GET /admin/knobs). A fleet's answer lists each replica's ("replicas");
+    when their values differ (a PATCH with ?replica=, or a replica still applying), every replica
+    gets a column of its own and the rows that differ are marked."""
     knobs = payload.get("knobs", {})
-    rows = "\n".join(f"| {name} | {knobs.get(name, '—')} |" for name in KNOB_NAMES)
-    return (f"**In force:** version {payload.get('version')}, since iteration "
-            f"{payload.get('iteration')}\n\n| knob | value |\n|---|---|\n{rows}")
+    replicas = {r: v.get("knobs") or {} for r, v in (payload.get("replicas") or {}).items()}
+    differ = [n for n in KNOB_NAMES if len({repr(k.get(n)) for k in replicas.values()}) > 1]
+    if not differ:
+        rows = "\n".join(f"| {name} | {knobs.get(name, '—')} |" for name in KNOB_NAMES)
+        return (f"**In force:** version {payload.get('version')}, since iteration "
+                f"{payload.get('iteration')}\n\n| knob | value |\n|---|---|\n{rows}")
+    ids = sorted(replicas)
+    versions = ", ".join(f"{r} v{(payload['replicas'][r] or {}).get('version', '?')}" for r in ids)
+    rows = "\n".join(f"| {'**' + n + '** (differs)' if n in differ else n} | "
+                     + " | ".join(str(replicas[r].get(n, '—')) for r in ids) + " |" for n in KNOB_NAMES)
+    return (f"**In force per replica** ({versions}): {len(differ)} knob(s) differ\n\n"
+            f"| knob | {' | '.join(ids)} |\n|---|{'---|' * len(ids)}\n{rows}")
 
 
 def fixed_markdown(payload: dict[str, Any]) -> str:

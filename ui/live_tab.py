@@ -19,7 +19,7 @@ import math
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import gradio as gr
@@ -74,6 +74,8 @@ CHARTS = (
 )
 CHART_IDS = tuple(chart.id for chart in CHARTS)
 HEADLINE_SERIES = ("preemptions",)  # the headline's preemption count over the window
+REPLICA_SERIES = ("running", "decode_tokens")  # drawn per replica (one colour each) in a fleet's view
+REPLICA_COLORS = charts.COLORS[5:] + charts.COLORS[:5]  # replica i's colour, after the fleet total's
 # Every iteration column the tab reads, fetched in one query per tick.
 SERIES = tuple(dict.fromkeys([*(name for chart in CHARTS for name in chart.series), *HEADLINE_SERIES]))
 
@@ -94,6 +96,7 @@ class LiveData:
     itl: list[LatencyPoint]
     changes: list[dict[str, Any]]
     held: HeldTime
+    by_replica: dict[str, dict[str, Series]] = field(default_factory=dict)  # REPLICA_SERIES; a fleet's view only
 
     def kv_peak(self) -> float | None:
         """The highest KV usage in the window (0..1), None without iterations."""
@@ -157,7 +160,10 @@ def fetch(db: Any, window: Window, choice: str, replica: str | None = None) -> L
     }
     changes = queries.knob_timeline(db, window.since, window.until, replica_id=replica)
     held = queries.held_time(db, window.since, window.until, replica_id=replica, points=HELD_POINTS)
-    return LiveData(window, series, latency["ttft"], latency["itl"], changes, held)
+    ids = [] if replica else queries.replicas(db, window.since, window.until)
+    by_replica = {r: queries.iteration_series_many(db, REPLICA_SERIES, window.since, window.until, replica_id=r,
+                                                   points=points) for r in ids} if len(ids) > 1 else {}
+    return LiveData(window, series, latency["ttft"], latency["itl"], changes, held, by_replica)
 
 
 def _xy(s: Series, stat: str, scale: float = 1.0, gaps: bool = True) -> tuple[list[float], list[float | None]]:
@@ -220,10 +226,21 @@ def figure_specs(data: LiveData) -> list[dict[str, Any]]:
         return charts.trace(stamps(xy[0]), _round(xy[1]), name, color, **style)
 
     iterations = bool(s["running"].points)
+    replicas = sorted(data.by_replica)
+
+    def per_replica(column: str, stat: str, scale: Callable[[Series], float] = lambda _: 1.0) -> list[dict[str, Any]]:
+        return [line(_xy(data.by_replica[r][column], stat, scale(data.by_replica[r][column])), f"replica {r}",
+                     REPLICA_COLORS[i % len(REPLICA_COLORS)], width=1.5) for i, r in enumerate(replicas)]
+
+    if replicas:  # a fleet: each replica's running sequences and the fleet's total
+        running = [line(_fleet_total(data.by_replica, "running"), "fleet total (mean)", charts.COLORS[0]),
+                   *per_replica("running", "mean")]
+    else:
+        running = [line(_xy(s["running"], "mean"), "running (mean)", charts.COLORS[0]),
+                   line(_xy(s["running"], "max"), "running (max)", charts.COLORS[0], dash="dot", width=1)]
     figs = [
         figure("Running vs max_num_seqs", "sequences", [
-            line(_xy(s["running"], "mean"), "running (mean)", charts.COLORS[0]),
-            line(_xy(s["running"], "max"), "running (max)", charts.COLORS[0], dash="dot", width=1),
+            *running,
             line(_xy(s["max_num_seqs"], "max", gaps=False), "max_num_seqs", charts.COLORS[1], shape="hv"),
         ], iterations),
         figure("Waiting queue depth", "requests", [
@@ -264,7 +281,9 @@ def figure_specs(data: LiveData) -> list[dict[str, Any]]:
 
     dec = s["decode_tokens"]
     figs.append(figure("Output tokens/s", "tokens/s", [
-        line(_xy(dec, "sum", 1 / dec.bucket_s), "output tokens/s", charts.COLORS[2], fill="tozeroy"),
+        line(_xy(dec, "sum", 1 / dec.bucket_s), "fleet total" if replicas else "output tokens/s", charts.COLORS[2],
+             fill="tozeroy"),
+        *per_replica("decode_tokens", "sum", lambda series: 1 / series.bucket_s),
     ], iterations))
 
     for title, points in (("TTFT percentiles", data.ttft), ("Inter-token latency percentiles", data.itl)):
@@ -287,6 +306,19 @@ def figure_specs(data: LiveData) -> list[dict[str, Any]]:
 
 
 NO_DATA = "no data in this window"
+
+
+def _fleet_total(by_replica: dict[str, dict[str, Series]], column: str) -> tuple[list[float], list[float | None]]:
+    """Per bucket, the sum over replicas of each one's mean `column` (a replica without
+    iterations in a bucket adds nothing): e.g. the fleet's running sequences."""
+    totals: dict[float, float] = {}
+    bucket = 1.0
+    for series in by_replica.values():
+        bucket = series[column].bucket_s
+        for p in series[column].points:
+            totals[p.t] = totals.get(p.t, 0.0) + p.mean
+    times = sorted(totals)
+    return [t + bucket / 2 for t in times], [totals[t] for t in times]
 
 
 def hit_rate(hits: Series, queries: Series) -> tuple[list[float], list[float | None]]:

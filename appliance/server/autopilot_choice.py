@@ -127,7 +127,7 @@ def sim_requests(done: Sequence[RequestStats]) -> list[SimRequest]:
     t0 = done[0].arrival if done else 0.0
     return [SimRequest(r.arrival - t0, max(1, r.prompt_tokens),
                        max(1, r.output_tokens + (r.finish_reason == FinishReason.ABORT)),
-                       r.finished - t0 if r.finish_reason == FinishReason.ABORT else None) for r in done]
+                       r.finished - t0 if r.finish_reason == FinishReason.ABORT else None, r.cached_tokens) for r in done]
 
 
 def measured_attainment(done: Sequence[RequestStats], slo: SLO) -> float:

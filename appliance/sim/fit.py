@@ -3,9 +3,18 @@
 An iteration's cost follows its composition: decode rows (each a matmul row; static padding
 rows count), prefill tokens, prefill chunks (each a separate attention call), and the context
 tokens the decode rows attend to (attention reads every cached token), plus a fixed cost per
-step. Candidate least-squares fits (plain, non-negative, relative-error weighted) are compared on
-held-out iterations and the one with the lowest held-out error is kept. A model is valid for one
+step. Every coefficient is a cost, so none may be negative (an unconstrained fit of a short run
+trades features off against each other, e.g. a negative price per attended token, and then
+mispredicts any composition the run did not have). Two non-negative least-squares fits (plain and
+relative-error weighted) are compared on held-out iterations and the one with the lowest held-out
+error is kept. A model is valid for one
 engine configuration (its `EngineKey`).
+
+Iterations of one composition do not all take the same time (on a shared CPU the step time of a
+small batch varies by 2x from one iteration to the next). The model keeps that spread: the
+percentiles of recorded / predicted seconds over the fitted iterations (`noise`), from which a
+replay draws one ratio per iteration. Means then come out unbiased whichever fit was kept, and
+tail latencies (p99 ITL, TTFT) see the spread the engine really has.
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ INTERCEPT = "intercept"
 MIN_ROWS = 20  # fewer iterations than this cannot pin down five coefficients and a held-out error
 HOLDOUT_EVERY = 5  # every 5th iteration (in time order) is held out
 MIN_STEP_S = 1e-5  # a prediction never goes below this (a step always costs something)
+NOISE_PERCENTILES = np.linspace(0.0, 100.0, 101)  # the noise distribution is kept at every percentile
 
 
 class FitError(ValueError):
@@ -91,15 +101,28 @@ class StepTimeModel:
     window_end: float = 0.0
     fitted_at: float = field(default_factory=time.time)
     id: int | None = None  # row id once stored
+    noise: tuple[float, ...] = ()  # recorded / predicted seconds at each NOISE_PERCENTILES; () none
 
     def predict(self, c: Composition) -> float:
-        """Seconds one iteration of this composition takes."""
+        """Seconds one iteration of this composition takes (the fit's point estimate)."""
         total = self.coefficients[INTERCEPT] + sum(self.coefficients[n] * v for n, v in zip(FEATURES, c.vector()))
         return max(MIN_STEP_S, total)
 
-    def step(self, c: Composition) -> tuple[float, float]:
-        """(step seconds, gap before the next step): the replay's step timer interface."""
-        return self.predict(c), self.gap_s
+    def expected(self, c: Composition) -> float:
+        """Mean seconds of iterations of this composition: the point estimate times the spread's
+        mean ratio (what a replay averages to)."""
+        return self.predict(c) * (float(np.mean(self.noise)) if self.noise else 1.0)
+
+    def ratio(self, u: float) -> float:
+        """The recorded / predicted ratio at quantile `u` (0..1) of the fitted spread; 1 without one."""
+        if not self.noise:
+            return 1.0
+        return float(np.interp(u, np.linspace(0.0, 1.0, len(self.noise)), self.noise))
+
+    def step(self, c: Composition, u: float = 0.5) -> tuple[float, float]:
+        """(step seconds, gap before the next step) for an iteration whose noise draw is `u`:
+        the replay's step timer interface."""
+        return self.predict(c) * self.ratio(u), self.gap_s
 
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -137,6 +160,7 @@ def fit_step_time(
     assert best is not None
     mape, method, beta = best
     mae = float(np.mean(np.abs(_predict(X[held], beta) - y[held])))
+    noise = np.percentile(y[~held] / _predict(X[~held], beta), NOISE_PERCENTILES)
     names = (INTERCEPT, *FEATURES)
     started = [float(r["started_at"]) for r in usable]
     return StepTimeModel(
@@ -144,6 +168,7 @@ def fit_step_time(
         method=method, rows_used=int((~held).sum()), rows_held_out=int(held.sum()), heldout_mape=mape,
         heldout_mae_s=mae, replica_id=replica_id, run_id=run_id, window_start=min(started),
         window_end=max(s + float(r["duration_s"]) for s, r in zip(started, usable)),
+        noise=tuple(float(q) for q in noise),
     )
 
 
@@ -182,7 +207,6 @@ def _nonneg(X: np.ndarray, y: np.ndarray, w: np.ndarray | None = None) -> np.nda
 
 
 _METHODS = {
-    "least_squares": _ols,
     "nonnegative": _nonneg,
     "relative_nonnegative": lambda X, y: _nonneg(X, y, 1.0 / y),  # minimises relative error
 }

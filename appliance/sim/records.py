@@ -79,7 +79,8 @@ def _run_requests(conn: Connection, run_id: str, started: float) -> tuple[list[S
         if r.output_tokens < 1 and not cancelled:
             continue  # an error before any output: nothing to replay
         out.append(SimRequest(arrival=max(0.0, r.arrival - started), prompt_tokens=r.prompt_tokens,
-                              output_tokens=max(1, wanted), cancel_at=r.finished - started if cancelled else None))
+                              output_tokens=max(1, wanted), cancel_at=r.finished - started if cancelled else None,
+                              cached_tokens=r.cached_tokens))
         last = max(last, r.finished - started)
     return out, last
 
@@ -103,6 +104,7 @@ def save_model(target: Engine | str, model: StepTimeModel) -> int:
         "window_end": model.window_end, "method": model.method, "coefficients": dict(model.coefficients),
         "gap_s": model.gap_s, "rows_used": model.rows_used, "rows_held_out": model.rows_held_out,
         "heldout_mape": model.heldout_mape, "heldout_mae_s": model.heldout_mae_s, "fitted_at": model.fitted_at,
+        "noise": list(model.noise) or None,
     }
     with using_engine(target) as engine, engine.begin() as conn:
         model.id = int(conn.execute(insert(StepTimeModelRow.__table__).values(**values)).inserted_primary_key[0])
@@ -127,4 +129,5 @@ def _model_of(row: Mapping[str, Any]) -> StepTimeModel:
     coefficients = {name: float(row["coefficients"][name]) for name in (INTERCEPT, *FEATURES)}
     return StepTimeModel(key, coefficients, row["gap_s"], row["method"], row["rows_used"], row["rows_held_out"],
                          row["heldout_mape"], row["heldout_mae_s"], row["replica_id"], row["run_id"],
-                         row["window_start"], row["window_end"], row["fitted_at"], row["id"])
+                         row["window_start"], row["window_end"], row["fitted_at"], row["id"],
+                         tuple(row["noise"] or ()))

@@ -4,14 +4,20 @@ No model runs: the loop is the engine's (add arrivals and aborts at the iteratio
 schedule, run, sample one token per caught-up sequence, finish), the clock is virtual, and each
 iteration lasts what a step timer says for its composition (a fitted StepTimeModel, or the
 recorded durations of a real run). Every request is forced to its recorded/requested output
-length. Prompts share no prefix (no prefix-cache hits are modelled: a workload whose recorded
-requests hit the cache is predicted as if every prompt token were computed). The result carries the same per-request records and summary that `appliance bench`
-produces, and the per-iteration records the engine would have published.
+length. Prefix-cache hits are replayed as recorded: a request that found `cached_tokens` of its
+prompt in the cache finds a prefix of that length resident when it arrives (seeded into the
+engine's own BlockManager, so it is matched, evicted under pressure, or ignored with
+`enable_prefix_caching` off exactly as the engine would). Each request's prefix is its own: a
+prefix that concurrently running requests shared in one set of blocks takes one set per request
+here, which overstates KV usage for such traffic. The result carries the same per-request records
+and summary that `appliance bench` produces, and the per-iteration records the engine would have
+published.
 """
 
 from __future__ import annotations
 
 import heapq
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -35,13 +41,15 @@ class ReplayError(ValueError):
 
 @dataclass(frozen=True)
 class SimRequest:
-    """One request to replay: when it arrives (seconds from the run's start), its lengths, and when
-    the client gave up on it (seconds from the start; None: never)."""
+    """One request to replay: when it arrives (seconds from the run's start), its lengths, when
+    the client gave up on it (seconds from the start; None: never), and how many of its prompt
+    tokens were found in the prefix cache (0: none; whole blocks are matched)."""
 
     arrival: float
     prompt_tokens: int
     output_tokens: int
     cancel_at: float | None = None
+    cached_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -54,8 +62,9 @@ class CacheShape:
 
 
 class StepTimer(Protocol):
-    def step(self, c: Composition) -> tuple[float, float]:
-        """(seconds the iteration takes, seconds of engine loop before the next one starts)."""
+    def step(self, c: Composition, u: float) -> tuple[float, float]:
+        """(seconds the iteration takes, seconds of engine loop before the next one starts);
+        `u` is the iteration's uniform draw in [0, 1) for a timer that models step-time spread."""
 
 
 class RecordedSteps:
@@ -69,7 +78,7 @@ class RecordedSteps:
         self._steps.append((iterations[-1].duration_s, 0.0) if iterations else (0.0, 0.0))
         self._next = 0
 
-    def step(self, c: Composition) -> tuple[float, float]:
+    def step(self, c: Composition, u: float) -> tuple[float, float]:
         if self._next >= len(self._steps):
             raise ReplayError(f"the replay ran more iterations than the {len(self._steps)} recorded")
         self._next += 1
@@ -112,16 +121,19 @@ def replay(
     *,
     slo: SLO | None = None,
     concurrency: int | None = None,
+    seed: int = 0,
 ) -> ReplayResult:
     """Replay `requests` under `knobs` on a `cache`-sized engine with `timer`'s step times.
 
     With `concurrency`, arrivals are closed-loop as `appliance bench --concurrency`: the first C
     requests arrive at 0 and each finished one lets the next arrive (their `arrival` is ignored).
+    Iteration k draws the k-th number of a generator seeded with `seed` for its step-time spread,
+    so replays compared under different knobs see the same draws (common random numbers).
     """
     if concurrency is not None and concurrency < 1:
         raise ReplayError(f"concurrency must be at least 1, got {concurrency}")
     check_fits(requests, cache)
-    sim = _Replay(requests, knobs, cache, timer, concurrency)
+    sim = _Replay(requests, knobs, cache, timer, concurrency, seed)
     sim.run()
     results = [sim.result(i) for i in range(len(requests))]
     duration = max([0.0, *(r.sent_at + (r.e2e or 0.0) for r in results), *sim.ended_at.values()])
@@ -133,12 +145,14 @@ class _Replay:
     """The event loop's state: the engine's scheduler on a virtual clock."""
 
     def __init__(self, requests: Sequence[SimRequest], knobs: Knobs, cache: CacheShape, timer: StepTimer,
-                 concurrency: int | None):
+                 concurrency: int | None, seed: int):
         self.requests = list(requests)
+        self.draws = random.Random(seed)
         self.cache = cache
         self.timer = timer
         self.now = 0.0
-        self.scheduler = Scheduler(BlockManager(cache.num_blocks, cache.block_size), knobs, clock=lambda: self.now)
+        blocks = BlockManager(cache.num_blocks, cache.block_size, enable_caching=knobs.enable_prefix_caching)
+        self.scheduler = Scheduler(blocks, knobs, clock=lambda: self.now)
         self.iterations: list[IterationStats] = []
         self.seqs: dict[int, EngineSequence] = {}
         self.token_times: dict[int, list[float]] = {i: [] for i in range(len(requests))}
@@ -167,8 +181,7 @@ class _Replay:
             ticket = self._next_pending  # the engine's admission ticket: arrival order
             self._next_pending += 1
             r = self.requests[i]
-            # distinct tokens per request: the replay does not model prefix-cache hits across requests
-            seq = EngineSequence(request_id=str(i), prompt_token_ids=[i + 1] * r.prompt_tokens,
+            seq = EngineSequence(request_id=str(i), prompt_token_ids=self._prompt(i, r),
                                  params=SamplingParams(max_tokens=r.output_tokens, ignore_eos=True),
                                  detokenizer=None, arrival=t, arrival_order=ticket)  # type: ignore[arg-type]
             self.seqs[i] = seq
@@ -176,6 +189,21 @@ class _Replay:
             self.scheduler.add(seq)
             if r.cancel_at is not None:
                 heapq.heappush(self._cancels, (max(r.cancel_at, t), i))
+
+    def _prompt(self, i: int, r: SimRequest) -> list[int]:
+        """Request i's token ids: its own (no two requests share a token), starting with its
+        recorded cached prefix, which is made resident in the cache now when caching is on."""
+        bs = self.cache.block_size
+        cached = min(r.cached_tokens, r.prompt_tokens - 1) // bs * bs  # the engine never matches the last token
+        prefix = [-(i + 1)] * cached
+        block_manager = self.scheduler.block_manager
+        if cached and block_manager.enable_caching:
+            holder = EngineSequence(request_id=f"prefix-{i}", prompt_token_ids=prefix,
+                                    params=SamplingParams(max_tokens=1), detokenizer=None)  # type: ignore[arg-type]
+            if block_manager.allocate(holder, cached):  # no room: the prefix was evicted, a miss
+                holder.num_computed_tokens = cached
+                block_manager.free(holder)  # caches its blocks, free for the request to match
+        return prefix + [i + 1] * (r.prompt_tokens - cached)
 
     def _apply_cancels(self) -> None:
         while self._cancels and self._cancels[0][0] <= self.now:
@@ -227,7 +255,7 @@ class _Replay:
             decode_rows=sum(1 for s in sched.scheduled if not s.is_prefill) + sched.padding_rows,
             prefill_tokens=prefill_tokens, prefill_seqs=sum(1 for s in sched.scheduled if s.is_prefill),
             decode_context_tokens=context)
-        duration, gap = self.timer.step(composition)
+        duration, gap = self.timer.step(composition, self.draws.random())
         self.now = started + duration
         finished = 0
         for item in sched.scheduled:

@@ -219,7 +219,7 @@ def resample(requests: Sequence[SimRequest], n: int, rate: float, seed: int) -> 
         if i:
             t += rng.expovariate(rate)
         r = order[i % len(order)]
-        out.append(SimRequest(t, r.prompt_tokens, r.output_tokens))
+        out.append(SimRequest(t, r.prompt_tokens, r.output_tokens, cached_tokens=r.cached_tokens))
     return out
 
 

@@ -62,7 +62,8 @@ def load_window(target: Any, replica_id: str, since: float, until: float, *, kno
             continue  # an error before any output: nothing to replay
         requests.append(SimRequest(arrival=r["arrival"] - since, prompt_tokens=r["prompt_tokens"],
                                    output_tokens=max(1, r["output_tokens"] + (1 if cancelled else 0)),
-                                   cancel_at=r["finished"] - since if cancelled else None))
+                                   cancel_at=r["finished"] - since if cancelled else None,
+                                   cached_tokens=r["cached_tokens"]))
         ok = r["finish_reason"] in COMPLETED
         results.append(RequestResult(
             index=len(results), sent_at=r["arrival"], ok=ok, error_kind=None if ok else "aborted",

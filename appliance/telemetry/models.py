@@ -221,3 +221,4 @@ class StepTimeModelRow(Base):
     heldout_mape: Mapped[float] = mapped_column(Double)  # mean absolute percentage error, 0..1
     heldout_mae_s: Mapped[float] = mapped_column(Double)
     fitted_at: Mapped[float] = mapped_column(Double)
+    noise: Mapped[list[float] | None]  # recorded / predicted seconds at percentiles 0..100; None: none
