@@ -180,7 +180,7 @@ def test_the_dashboards_replica_selector_in_chromium(fleet, replica_ids, browser
             options = page.get_by_role("option")
             options.filter(has_text=f"replica {replica_ids[1]}").wait_for(timeout=30_000)
             assert {"fleet (all replicas)", *(f"replica {r}" for r in replica_ids)} <= {
-                text.strip() for text in options.all_text_contents()}
+                text.replace("✓", "").strip() for text in options.all_text_contents()}  # ✓ marks the selected one
             options.filter(has_text=f"replica {replica_ids[0]}").click()
             page.wait_for_function(
                 f"""() => {{ const names = [...document.querySelectorAll('{legend}')].map(e => e.textContent);
