@@ -9,7 +9,9 @@ Workloads (output lengths forced, so both settings compute the same output token
                  ends), driven in process through the chat template; all conversations start at
                  once. User turns are cut to --max-turn-tokens, answers forced to --turn-output-len.
   shared-prefix  G system prompts x L tokens, each followed by different questions (all at once).
-  zero-hit       random token prompts that share nothing (the cost of caching when nothing hits).
+  zero-hit       random token prompts that share nothing (the cost of caching when nothing hits),
+                 --zero-hit-rounds on/off pairs alternating; also times the chain hashing of every
+                 full block the workload fills, the part of caching's cost a whole run's noise hides.
 
 The engines use the default knobs and a 1 GiB KV cache. Prints, per workload: TTFT p50 (arrival to first token, the engine's own clock), output
 throughput (output tokens / wall time), the prefix-cache hit rate (prompt tokens served from the
@@ -31,6 +33,7 @@ from appliance.bench import workloads
 from appliance.bench.cli import token_cut
 from appliance.bench.workloads import BenchRequest, shared_prefix
 from appliance.engine import EngineConfig, Knobs, LLMEngine, SamplingParams
+from appliance.engine.block_manager import block_hash
 from appliance.model_loader import load_model
 
 TARGETS = {  # workload: (TTFT p50 ratio on/off at most, throughput ratio on/off at least)
@@ -114,6 +117,35 @@ def zero_hit(engine: LLMEngine, n: int, prompt_len: int, output_len: int, seed: 
     return run(engine, reqs, lambda *_: None)
 
 
+def mean_result(results: list[Result]) -> Result:
+    """Several rounds of one setting as one: mean TTFT p50, throughput, hit rate and wall time."""
+    return Result(statistics.fmean(r.ttft_p50 for r in results), statistics.fmean(r.throughput for r in results),
+                  statistics.fmean(r.hit_rate for r in results), results[0].requests,
+                  statistics.fmean(r.wall_s for r in results))
+
+
+def spread(results: list[Result]) -> float:
+    """(max - min) / mean of the rounds' throughputs."""
+    values = [r.throughput for r in results]
+    return (max(values) - min(values)) / statistics.fmean(values)
+
+
+def hashing_cost(requests: int, tokens_each: int, block_size: int, wall_s: float) -> str:
+    """What caching adds when nothing hits, timed without the noise of whole runs: the chain hash
+    of every full block the workload fills (the block manager hashes each block once), against a
+    run's wall time."""
+    rng = random.Random(0)
+    blocks = [[rng.randrange(1000, 40000) for _ in range(block_size)] for _ in range(tokens_each // block_size)]
+    t0 = time.perf_counter()
+    for _ in range(requests):
+        parent = b""
+        for ids in blocks:
+            parent = block_hash(parent, ids)
+    spent = time.perf_counter() - t0
+    return (f"  chain hashing of every full block ({requests} x {len(blocks)} blocks): {spent * 1000:.1f} ms "
+            f"= {spent / wall_s:.3%} of a caching-off run's {wall_s:.1f} s")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--conversations", type=int, default=32)
@@ -126,6 +158,7 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--zero-hit-requests", type=int, default=64)
     p.add_argument("--zero-hit-prompt-len", type=int, default=256)
+    p.add_argument("--zero-hit-rounds", type=int, default=3, help="on/off pairs, alternating (a 1 %% bar needs more than one)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--only", choices=list(TARGETS), action="append", help="run only these workloads")
@@ -144,15 +177,22 @@ def main() -> None:
     for k, (name, work) in enumerate(workloads.items()):
         if args.only and name not in args.only:
             continue
-        order = (True, False) if k % 2 == 0 else (False, True)
-        results = {}
-        for on in order:
-            bm = engines[on].block_manager
-            bm.set_caching(False)  # forget what the last workload cached
-            bm.set_caching(on)
-            results[on] = work(engines[on])
-        on, off = results[True], results[False]
+        rounds: dict[bool, list[Result]] = {True: [], False: []}
+        for r in range(args.zero_hit_rounds if name == "zero-hit" else 1):
+            for on in (True, False) if (k + r) % 2 == 0 else (False, True):  # alternating: drift hits both
+                bm = engines[on].block_manager
+                bm.set_caching(False)  # forget what the last workload (or round) cached
+                bm.set_caching(on)
+                rounds[on].append(work(engines[on]))
+        on, off = (mean_result(rounds[flag]) for flag in (True, False))
         ttft_ratio, tput_ratio = on.ttft_p50 / off.ttft_p50, on.throughput / off.throughput
+        if len(rounds[True]) > 1:
+            per_round = [a.throughput / b.throughput for a, b in zip(rounds[True], rounds[False])]
+            print(f"\n{name}: throughput on/off per round " + ", ".join(f"{x:.3f}x" for x in per_round)
+                  + f" (each setting's runs spread {spread(rounds[True]):.1%} on, {spread(rounds[False]):.1%} off)")
+        if name == "zero-hit":
+            print(hashing_cost(args.zero_hit_requests, args.zero_hit_prompt_len + args.output_len,
+                               engines[True].config.block_size, off.wall_s))
         ttft_target, tput_target = TARGETS[name]
         ok = (ttft_target is None or ttft_ratio <= ttft_target) and tput_ratio >= tput_target
         verdicts.append(ok)

@@ -127,6 +127,8 @@ class Autopilot(StatsSink):
             snap = self._knobs()
             choice = self._choose(iterations, requests, snap.knobs, spec, last_raise)
             with self._lock:
+                if choice.move is None and choice.reason != (self.last_decision or {}).get("reason"):
+                    log.info("autopilot: %s", choice.reason)  # a hold, logged when its reason changes
                 self.last_decision = {"at": now, "reason": choice.reason}
                 if choice.simulated:
                     self._last_sim_at = now
