@@ -150,6 +150,16 @@ def test_rate_limit_and_hysteresis_no_flapping():
     assert ap.tick(1091.0) is None and engine.knobs.max_num_seqs == 8
 
 
+def test_a_raise_is_kept_for_a_whole_window_before_it_is_given_back():
+    ap, engine = pilot("ttft_p99=1s,max_num_seqs=4..64", max_num_seqs=8)
+    feed(ap, 990.0, ttft=2.0, max_num_seqs=3)
+    assert ap.tick(1000.0) is not None and engine.knobs.max_num_seqs == 12
+    feed(ap, 1001.0, ttft=0.3)  # the burst ended at once: well under the target
+    assert ap.tick(1012.0) is None and engine.knobs.max_num_seqs == 12  # read for 12 s of a 30 s window: kept
+    move = ap.tick(1031.0)
+    assert move is not None and "giving back" in move.reason and engine.knobs.max_num_seqs == 8
+
+
 def test_stops_when_switched_off_and_resumes_when_on():
     ap, engine = pilot("ttft_p99=1s", max_num_seqs=8)
     ap.configure(enabled=False)

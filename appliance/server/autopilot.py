@@ -123,7 +123,10 @@ class Autopilot(StatsSink):
                 if now - max(self._last_move_at, self._last_sim_at) < self.cooldown_s:
                     return None  # at most one move, and one simulated decision, per cooldown
                 iterations, requests = list(self._iterations), list(self._requests)
-                seq, spec, last_raise = self._manual_seq, self.spec, dict(self._last_raise)
+                seq, spec = self._manual_seq, self.spec
+                # a raise is given back only once a whole window has been read under it (hysteresis:
+                # a burst that ends just after a raise does not undo it ten seconds later)
+                last_raise = dict(self._last_raise) if now - self._last_move_at >= self.window_s else {}
             snap = self._knobs()
             choice = self._choose(iterations, requests, snap.knobs, spec, last_raise)
             with self._lock:
