@@ -142,6 +142,8 @@ def main() -> int:
         # slower (first-time allocations), which would count against whichever way runs first
         longs = [r for r in requests if (r.prompt_len or 0) >= 900][:2]
         asyncio.run(LoadGenerator([replace(r, arrival_offset=None) for r in requests[:4] + longs], base_url=url).run())
+        # the autopilot reads the last window_s of traffic: let the warm-up leave it before it starts
+        time.sleep(httpx.get(f"{url}/admin/autopilot", timeout=30).json()["window_s"])
         spec = {"enabled": True, "spec": autopilot_spec(args.slo)}
         httpx.patch(f"{url}/admin/autopilot", json=spec, timeout=30).raise_for_status()
         pilot = measure(url, db, requests, args.slo, "autopilot from defaults")

@@ -3,6 +3,8 @@ directly), and its HTTP switch on the real server."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import time
 from dataclasses import replace
 
@@ -132,6 +134,16 @@ def test_itl_over_target_with_prefill_in_steps_halves_the_chunk():
     feed(ap, 1013.0, ttft=0.2, itl=0.2, prefill=256)
     ap.tick(1024.0)  # the chunk is at its bound: max_num_seqs goes down instead
     assert engine.knobs.long_prefill_token_threshold == 64 and engine.knobs.max_num_seqs == 48
+
+
+def test_itl_over_target_lowers_max_num_seqs_below_what_actually_ran():
+    ap, engine = pilot("ttft_p99=1s,itl_p99=50ms", max_num_seqs=64)
+    for i in range(50):  # decode only, never more than 12 running: a limit of 48 would change nothing
+        ap.on_iteration(dataclasses.replace(iteration(990.0 + i * 0.2), running=12 if i % 5 == 0 else 8))
+    for i in range(10):
+        ap.on_request(request(990.0 + i, 0.2, 0.2))
+    move = ap.tick(1000.0)
+    assert engine.knobs.max_num_seqs == 9 and "ITL p99 200 ms > target 50 ms" in move.reason
 
 
 def test_rate_limit_and_hysteresis_no_flapping():

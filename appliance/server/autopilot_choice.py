@@ -96,7 +96,7 @@ def candidates(w: WindowStats, knobs: Knobs, spec: Spec, last_raise: Mapping[str
     if itl_over:
         why = f"ITL p99 {(w.itl_p99 or 0) * 1000:.0f} ms over target"
         for name, value in (("long_prefill_token_threshold", max(1, k["long_prefill_token_threshold"] // 2)),
-                            ("max_num_seqs", max(1, math.floor(k["max_num_seqs"] * 0.75)))):
+                            ("max_num_seqs", w.fewer_seqs(k["max_num_seqs"]))):
             if (m := bounded_move(knobs, spec, name, value, why)) is not None:
                 out.append(m)
     unique: dict[tuple[tuple[str, int], ...], Move] = {}

@@ -8,7 +8,7 @@ fit it. Rules, in order:
   request-time (max_num_seqs only while KV usage peaks under KV_ROOM; nothing when free KV blocks
   held it: no knob here adds memory).
 - else ITL p99 over its target: halve long_prefill_token_threshold when steps carried prefill
-  chunks (smaller chunks bound the stall), else lower max_num_seqs.
+  chunks (smaller chunks bound the stall), else lower max_num_seqs (below the most that ran).
 - else both under RELAX x target: give back the most recent raise, one step at a time.
 Each move stays inside the operator's bounds and is checked as a whole knob set.
 """
@@ -124,6 +124,13 @@ class WindowStats:
     held_s: dict[HoldCause, float]  # queued request-seconds by cause
     kv_peak: float  # 0..1
     prefill_step_share: float  # share of steps that carried prefill chunks
+    running_peak: int = 0  # the most sequences any iteration ran
+
+    def fewer_seqs(self, max_num_seqs: int) -> int:
+        """max_num_seqs cut by a quarter from what actually ran: lowering a limit the window never
+        reached would change nothing."""
+        base = self.running_peak if 0 < self.running_peak < max_num_seqs else max_num_seqs
+        return max(1, math.floor(base * 0.75))
 
 
 def window_stats(iterations: Sequence[IterationStats], requests: Sequence[RequestStats]) -> WindowStats:
@@ -134,7 +141,7 @@ def window_stats(iterations: Sequence[IterationStats], requests: Sequence[Reques
     kv = max((it.kv_blocks_used / it.kv_blocks_total for it in iterations if it.kv_blocks_total), default=0.0)
     prefill = sum(1 for it in iterations if it.prefill_tokens > 0)
     return WindowStats(len(requests), _p99(ttft), _p99(itl), held, kv,
-                       prefill / len(iterations) if iterations else 0.0)
+                       prefill / len(iterations) if iterations else 0.0, max((it.running for it in iterations), default=0))
 
 
 def _p99(values: list[float]) -> float | None:
@@ -189,7 +196,7 @@ def decide(w: WindowStats, knobs: Knobs, spec: Spec, last_raise: dict[str, int] 
                          f"{why}; {w.prefill_step_share:.0%} of steps carried prefill chunks")
             if move is not None:
                 return move
-        return bounded_move(knobs, spec, "max_num_seqs", max(1, math.floor(k["max_num_seqs"] * 0.75)), why)
+        return bounded_move(knobs, spec, "max_num_seqs", w.fewer_seqs(k["max_num_seqs"]), why)
     relaxed = all(w_v is None or t is None or w_v < RELAX * t for w_v, t in ((w.ttft_p99, ttft_t), (w.itl_p99, itl_t)))
     if relaxed and last_raise:
         name, before = next(iter(last_raise.items()))
