@@ -7,6 +7,7 @@ import contextlib
 import io
 import json
 import random
+import re
 
 import pytest
 from sqlalchemy import func, select
@@ -101,6 +102,7 @@ def test_text_report_shows_measured_beside_simulated(recorded, capsys):
     status, out, err = simulate(capsys, "--run", run_id, "--db", db, "--set", "long_prefill_token_threshold=16")
     assert status == 0, err
     assert "held-out error" in out and "recorded (measured)" in out
+    assert re.search(r"step times vary \d+\.\d\dx-\d+\.\d\dx around it \(p10-p90", out)
     assert "simulated at the recorded knobs" in out and "long_prefill_token_threshold=16" in out
 
 

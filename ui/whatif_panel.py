@@ -19,7 +19,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from appliance.numeric import ms_text
 from appliance.policies import POLICIES
-from appliance.sim.cli import METRICS
+from appliance.sim.cli import METRICS, spread_text
 from appliance.telemetry import runs
 from ui.api_client import ApiError
 from ui.charts import COLORS, layout
@@ -63,7 +63,7 @@ def report_markdown(report: dict[str, Any]) -> str:
         f"**Step-time model** #{model['id']} ({model['method']}): held-out error "
         f"**{model['heldout_mape'] * 100:.1f} %** (MAE {model['heldout_mae_s'] * 1000:.2f} ms) on "
         f"{model['rows_held_out']} of {model['rows_used'] + model['rows_held_out']} iterations, fitted on "
-        f"{_when(model['window_start'])}–{_when(model['window_end'])} ({model['engine']})",
+        f"{_when(model['window_start'])}–{_when(model['window_end'])} ({model['engine']}){spread_text(model)}",
     ]
     if source["knob_changes"]:
         lines.append(f"Note: {source['knob_changes']} knob change(s) in it; replayed from the knobs in force "

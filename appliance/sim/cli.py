@@ -197,11 +197,21 @@ def run_view(run: Any) -> dict[str, Any]:
 
 
 def model_view(model: Any) -> dict[str, Any]:
-    """A StepTimeModel as JSON: coefficients, held-out error and the window it was fitted on."""
+    """A StepTimeModel as JSON: coefficients, held-out error, the window it was fitted on and the
+    spread of step times around it."""
     return {"id": model.id, "method": model.method, "coefficients": model.coefficients, "gap_s": model.gap_s,
             "heldout_mape": model.heldout_mape, "heldout_mae_s": model.heldout_mae_s, "rows_used": model.rows_used,
             "rows_held_out": model.rows_held_out, "replica_id": model.replica_id, "run_id": model.run_id,
-            "window_start": model.window_start, "window_end": model.window_end, "engine": str(model.key)}
+            "window_start": model.window_start, "window_end": model.window_end, "engine": str(model.key),
+            "spread_p10_p90": [model.ratio(0.1), model.ratio(0.9)] if model.noise else None}
+
+
+def spread_text(model: dict[str, Any]) -> str:
+    """How much the fitted iterations' step times vary around the fit (model_view's spread)."""
+    if not model.get("spread_p10_p90"):
+        return ""
+    low, high = model["spread_p10_p90"]
+    return f"; step times vary {low:.2f}x-{high:.2f}x around it (p10-p90, drawn per replayed iteration)"
 
 
 def _slo_view(slo: SLO | None) -> dict[str, float] | None:
@@ -259,7 +269,7 @@ def format_report(report: dict[str, Any]) -> str:
         f"Step-time model #{model['id']}: {model['method']}, held-out error {model['heldout_mape'] * 100:.1f} % "
         f"(MAE {model['heldout_mae_s'] * 1000:.2f} ms) on {model['rows_held_out']} of "
         f"{model['rows_used'] + model['rows_held_out']} iterations of replica {model['replica_id']}, "
-        f"{_when(model['window_start'])} to {_when(model['window_end'])}",
+        f"{_when(model['window_start'])} to {_when(model['window_end'])}{spread_text(model)}",
     ]
     if run["knob_changes"]:
         lines.append(f"Note: {run['knob_changes']} knob change(s) during the run; replayed at its starting knobs")

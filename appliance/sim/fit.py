@@ -7,8 +7,7 @@ step. Every coefficient is a cost, so none may be negative (an unconstrained fit
 trades features off against each other, e.g. a negative price per attended token, and then
 mispredicts any composition the run did not have). Two non-negative least-squares fits (plain and
 relative-error weighted) are compared on held-out iterations and the one with the lowest held-out
-error is kept. A model is valid for one
-engine configuration (its `EngineKey`).
+error is kept. A model is valid for one engine configuration (its `EngineKey`).
 
 Iterations of one composition do not all take the same time (on a shared CPU the step time of a
 small batch varies by 2x from one iteration to the next). The model keeps that spread: the
@@ -119,7 +118,7 @@ class StepTimeModel:
             return 1.0
         return float(np.interp(u, np.linspace(0.0, 1.0, len(self.noise)), self.noise))
 
-    def step(self, c: Composition, u: float = 0.5) -> tuple[float, float]:
+    def step(self, c: Composition, u: float) -> tuple[float, float]:
         """(step seconds, gap before the next step) for an iteration whose noise draw is `u`:
         the replay's step timer interface."""
         return self.predict(c) * self.ratio(u), self.gap_s
