@@ -1,6 +1,6 @@
-"""Prefix caching on vs off, side by side in ONE process: the same engine code and model, the same
-workloads, caching the only difference (the `enable_prefix_caching` knob of two engines sharing
-the loaded model; the order alternates per workload so drift hits both alike).
+"""Prefix caching on vs off, side by side in ONE process: the same engine, model and workloads,
+caching the only difference (the `enable_prefix_caching` knob, toggled between runs of one engine,
+its cache emptied before each; the order alternates per workload so drift hits both alike).
 
 Workloads (output lengths forced, so both settings compute the same output tokens):
   multi-turn     `appliance bench`'s multi-turn workload (appliance.bench.workloads.multi_turn:
@@ -13,7 +13,7 @@ Workloads (output lengths forced, so both settings compute the same output token
                  --zero-hit-rounds on/off pairs alternating; also times the chain hashing of every
                  full block the workload fills, the part of caching's cost a whole run's noise hides.
 
-The engines use the default knobs and a 1 GiB KV cache. Prints, per workload: TTFT p50 (arrival to first token, the engine's own clock), output
+The engine uses the default knobs and a 1 GiB KV cache. Prints, per workload: TTFT p50 (arrival to first token, the engine's own clock), output
 throughput (output tokens / wall time), the prefix-cache hit rate (prompt tokens served from the
 cache / prompt tokens), and the on/off ratios against the issue's targets.
 
@@ -165,7 +165,9 @@ def main() -> None:
     args = p.parse_args()
 
     loaded = load_model(None, args.dtype, "cpu")
-    engines = {on: LLMEngine(EngineConfig(knobs=Knobs(enable_prefix_caching=on)), loaded=loaded) for on in (True, False)}
+    # ONE engine, the knob toggled between runs (as an operator would): two engines would each have
+    # their own 1 GiB KV cache, and a difference between the two allocations would pass for caching's
+    engine = LLMEngine(EngineConfig(), loaded=loaded)
     workloads = {
         "multi-turn": lambda e: multi_turn(e, args.conversations, args.max_turns, args.max_turn_tokens,
                                            args.turn_output_len, args.seed),
@@ -180,10 +182,9 @@ def main() -> None:
         rounds: dict[bool, list[Result]] = {True: [], False: []}
         for r in range(args.zero_hit_rounds if name == "zero-hit" else 1):
             for on in (True, False) if (k + r) % 2 == 0 else (False, True):  # alternating: drift hits both
-                bm = engines[on].block_manager
-                bm.set_caching(False)  # forget what the last workload (or round) cached
-                bm.set_caching(on)
-                rounds[on].append(work(engines[on]))
+                engine.block_manager.set_caching(False)  # forget what the last workload (or round) cached
+                engine.update_knobs({"enable_prefix_caching": on}, source="benchmark")
+                rounds[on].append(work(engine))
         on, off = (mean_result(rounds[flag]) for flag in (True, False))
         ttft_ratio, tput_ratio = on.ttft_p50 / off.ttft_p50, on.throughput / off.throughput
         if len(rounds[True]) > 1:
@@ -192,7 +193,7 @@ def main() -> None:
                   + f" (each setting's runs spread {spread(rounds[True]):.1%} on, {spread(rounds[False]):.1%} off)")
         if name == "zero-hit":
             print(hashing_cost(args.zero_hit_requests, args.zero_hit_prompt_len + args.output_len,
-                               engines[True].config.block_size, off.wall_s))
+                               engine.config.block_size, off.wall_s))
         ttft_target, tput_target = TARGETS[name]
         ok = (ttft_target is None or ttft_ratio <= ttft_target) and tput_ratio >= tput_target
         verdicts.append(ok)
