@@ -312,11 +312,10 @@ def _fleet_total(by_replica: dict[str, dict[str, Series]], column: str) -> tuple
     """Per bucket, the sum over replicas of each one's mean `column` (a replica without
     iterations in a bucket adds nothing): e.g. the fleet's running sequences."""
     totals: dict[float, float] = {}
-    bucket = 1.0
     for series in by_replica.values():
-        bucket = series[column].bucket_s
         for p in series[column].points:
             totals[p.t] = totals.get(p.t, 0.0) + p.mean
+    bucket = next(iter(by_replica.values()))[column].bucket_s  # one grid: fetched over the same window
     times = sorted(totals)
     return [t + bucket / 2 for t in times], [totals[t] for t in times]
 
