@@ -10,8 +10,13 @@ Workloads (output lengths forced, so both settings compute the same output token
                  once. User turns are cut to --max-turn-tokens, answers forced to --turn-output-len.
   shared-prefix  G system prompts x L tokens, each followed by different questions (all at once).
   zero-hit       random token prompts that share nothing (the cost of caching when nothing hits),
-                 --zero-hit-rounds on/off pairs alternating; also times the chain hashing of every
-                 full block the workload fills, the part of caching's cost a whole run's noise hides.
+                 --zero-hit-rounds on/off pairs alternating. Both settings run the same iterations
+                 (checked: same tokens per step), so besides the whole-run ratio it prints the
+                 typical-step ratio: per iteration, the median of its wall time over the rounds of
+                 each setting, summed (a burst of load from elsewhere on the box lands in one round's
+                 step and leaves the median), with a 95 % bootstrap interval over the rounds; this
+                 ratio is the one checked against the 0.99 bar. Also times the chain hashing of
+                 every full block the workload fills.
 
 The engine uses the default knobs and a 1 GiB KV cache. Prints, per workload: TTFT p50 (arrival to first token, the engine's own clock), output
 throughput (output tokens / wall time), the prefix-cache hit rate (prompt tokens served from the
@@ -50,6 +55,8 @@ class Result:
     hit_rate: float
     requests: int
     wall_s: float
+    step_s: list[float]  # wall time of each engine.step()
+    composition: list[tuple[int, int]]  # (prefill tokens, decode tokens) of each step
 
 
 Request = tuple[list[int], int]  # prompt ids, output length
@@ -68,8 +75,13 @@ def run(engine: LLMEngine, first: list[tuple[str, Request]], follow_up: Callable
     for rid, request in first:
         add(rid, request)
     done = 0
+    step_s, composition = [], []
     while engine.has_unfinished():
-        for out in engine.step():
+        t = time.perf_counter()
+        outputs = engine.step()
+        step_s.append(time.perf_counter() - t)
+        composition.append((engine.last_stats.prefill_tokens, engine.last_stats.decode_tokens))
+        for out in outputs:
             if not out.finished:
                 continue
             done += 1
@@ -82,7 +94,7 @@ def run(engine: LLMEngine, first: list[tuple[str, Request]], follow_up: Callable
             if nxt is not None:
                 add(*nxt)
     wall = time.perf_counter() - started
-    return Result(statistics.median(ttfts), out_tokens / wall, cached / prompt_tokens, done, wall)
+    return Result(statistics.median(ttfts), out_tokens / wall, cached / prompt_tokens, done, wall, step_s, composition)
 
 
 def multi_turn(engine: LLMEngine, conversations: int, max_turns: int, turn_tokens: int, output_len: int,
@@ -121,7 +133,25 @@ def mean_result(results: list[Result]) -> Result:
     """Several rounds of one setting as one: mean TTFT p50, throughput, hit rate and wall time."""
     return Result(statistics.fmean(r.ttft_p50 for r in results), statistics.fmean(r.throughput for r in results),
                   statistics.fmean(r.hit_rate for r in results), results[0].requests,
-                  statistics.fmean(r.wall_s for r in results))
+                  statistics.fmean(r.wall_s for r in results), [], [])
+
+
+def typical_step_ratio(on: list[Result], off: list[Result]) -> float:
+    """Throughput on/off from the typical step: per iteration, the median of its wall time over
+    each setting's rounds, summed over the iterations (same iterations either way)."""
+    def typical(rounds: list[Result]) -> float:
+        return sum(statistics.median(steps) for steps in zip(*(r.step_s for r in rounds)))
+
+    return typical(off) / typical(on)
+
+
+def bootstrap_interval(on: list[Result], off: list[Result], draws: int = 1000, seed: int = 0) -> tuple[float, float]:
+    """95 % interval of typical_step_ratio, resampling the round pairs with replacement."""
+    rng = random.Random(seed)
+    n = len(on)
+    values = sorted(typical_step_ratio([on[i] for i in picks], [off[i] for i in picks])
+                    for picks in ([rng.randrange(n) for _ in range(n)] for _ in range(draws)))
+    return values[int(0.025 * draws)], values[int(0.975 * draws) - 1]
 
 
 def spread(results: list[Result]) -> float:
@@ -158,7 +188,7 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--zero-hit-requests", type=int, default=64)
     p.add_argument("--zero-hit-prompt-len", type=int, default=256)
-    p.add_argument("--zero-hit-rounds", type=int, default=3, help="on/off pairs, alternating (a 1 %% bar needs more than one)")
+    p.add_argument("--zero-hit-rounds", type=int, default=5, help="on/off pairs, alternating (a 1 %% bar needs more than one)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--only", choices=list(TARGETS), action="append", help="run only these workloads")
@@ -187,10 +217,21 @@ def main() -> None:
                 rounds[on].append(work(engine))
         on, off = (mean_result(rounds[flag]) for flag in (True, False))
         ttft_ratio, tput_ratio = on.ttft_p50 / off.ttft_p50, on.throughput / off.throughput
+        basis = "means of whole runs" if len(rounds[True]) > 1 else "one run each"
         if len(rounds[True]) > 1:
             per_round = [a.throughput / b.throughput for a, b in zip(rounds[True], rounds[False])]
             print(f"\n{name}: throughput on/off per round " + ", ".join(f"{x:.3f}x" for x in per_round)
-                  + f" (each setting's runs spread {spread(rounds[True]):.1%} on, {spread(rounds[False]):.1%} off)")
+                  + f", {tput_ratio:.3f}x of the means (each setting's runs spread {spread(rounds[True]):.1%} on, "
+                  f"{spread(rounds[False]):.1%} off)")
+            same = all(r.composition == rounds[False][0].composition for r in rounds[True] + rounds[False])
+            if same:
+                low, high = bootstrap_interval(rounds[True], rounds[False])
+                tput_ratio = typical_step_ratio(rounds[True], rounds[False])
+                basis = "typical step"
+                print(f"  every run: the same {len(rounds[True][0].step_s)} iterations; typical-step "
+                      f"throughput on/off {tput_ratio:.3f}x (95 % interval over the rounds {low:.3f}-{high:.3f}x)")
+            else:
+                print("  the runs' iterations differ: only the whole-run ratio is comparable")
         if name == "zero-hit":
             print(hashing_cost(args.zero_hit_requests, args.zero_hit_prompt_len + args.output_len,
                                engine.config.block_size, off.wall_s))
@@ -202,7 +243,7 @@ def main() -> None:
             print(f"  {label}  TTFT p50 {r.ttft_p50 * 1000:8.0f} ms   output {r.throughput:7.1f} tok/s   "
                   f"hit rate {r.hit_rate:6.1%}   wall {r.wall_s:6.1f} s")
         target = f"(target <= {ttft_target})" if ttft_target is not None else ""
-        print(f"  on/off: TTFT p50 {ttft_ratio:.2f}x {target}   throughput {tput_ratio:.2f}x "
+        print(f"  on/off: TTFT p50 {ttft_ratio:.2f}x {target}   throughput {tput_ratio:.3f}x ({basis}) "
               f"(target >= {tput_target})   {'MET' if ok else 'NOT MET'}")
     print(f"\n{sum(verdicts)}/{len(verdicts)} targets met")
 

@@ -240,6 +240,26 @@ def test_the_replica_selector_shows_one_replica_or_the_whole_fleet(filled_store)
     assert one == {"running (mean)", "running (max)", "max_num_seqs"}
 
 
+def test_the_fleet_view_draws_the_fleet_size_over_time(filled_store):
+    """The ingress's recorded fleet sizes (a replica lost, then replaced) are a step line on the
+    running chart's right axis, held to the window's end; a replica's own view has none."""
+    from appliance.telemetry import fleet_sizes
+
+    url, now, _ = filled_store
+    for at, count in ((now - 300, 2), (now - 15, 1), (now - 8, 2)):
+        fleet_sizes.record(url, "fleet-a", count, at)
+    engine = store.make_engine(url)
+    window = live_tab.resolve_window(engine, "1m", now=now)
+    fleet, one = live_tab.fetch(engine, window, "1m"), live_tab.fetch(engine, window, "1m", "r1")
+    assert fleet.fleet_sizes == {"fleet-a": [(window.since, 2), (now - 15, 1), (now - 8, 2)]} and one.fleet_sizes == {}
+    running = dict(zip(live_tab.CHART_IDS, live_tab.figure_specs(fleet)))["chart-running"]
+    size = next(t for t in running["data"] if t["name"] == "replicas live")
+    assert size["y"] == [2, 1, 2, 2] and size["yaxis"] == "y2" and size["line"]["shape"] == "hv"
+    assert size["x"][-1] == charts.stamp(window.until) and running["layout"]["yaxis2"]["range"] == [0, 3]
+    alone = dict(zip(live_tab.CHART_IDS, live_tab.figure_specs(one)))["chart-running"]
+    assert "yaxis2" not in alone["layout"] and all(t["name"] != "replicas live" for t in alone["data"])
+
+
 def test_live_figures_show_the_stored_series_and_the_knob_change(filled_store):
     url, now, _ = filled_store
     engine = store.make_engine(url)

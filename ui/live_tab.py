@@ -4,7 +4,7 @@ Series come from appliance.telemetry.queries (iteration rows, request latencies,
 timeline); the headline's current state from GET /admin/state and /admin/knobs.
 
 Watching must not slow serving: the Live data is computed once per tick and window for every
-session together (LiveCache: the API's state and knobs, five bounded queries and one figure
+session together (LiveCache: the API's state and knobs, a few bounded queries and one figure
 build a second, however many dashboards are open), the figures are plain dicts serialised once,
 a session is sent only the outputs that changed since its last tick, its timer slows down (up
 to IDLE_REFRESH_S) while nothing changes and returns to REFRESH_S as soon as something does,
@@ -27,7 +27,7 @@ import plotly.graph_objects as go
 from sqlalchemy.exc import SQLAlchemyError
 
 from appliance.records import HoldCause
-from appliance.telemetry import queries, runs
+from appliance.telemetry import fleet_sizes, queries, runs
 from appliance.telemetry.queries import HeldTime, LatencyPoint, Series
 from ui import charts, holding
 from ui.api_client import ApiError
@@ -97,6 +97,7 @@ class LiveData:
     changes: list[dict[str, Any]]
     held: HeldTime
     by_replica: dict[str, dict[str, Series]] = field(default_factory=dict)  # REPLICA_SERIES; a fleet's view only
+    fleet_sizes: dict[str, list[tuple[float, int]]] = field(default_factory=dict)  # live replicas; a fleet's view
 
     def kv_peak(self) -> float | None:
         """The highest KV usage in the window (0..1), None without iterations."""
@@ -163,7 +164,8 @@ def fetch(db: Any, window: Window, choice: str, replica: str | None = None) -> L
     ids = [] if replica else queries.replicas(db, window.since, window.until)
     by_replica = {r: queries.iteration_series_many(db, REPLICA_SERIES, window.since, window.until, replica_id=r,
                                                    points=points) for r in ids} if len(ids) > 1 else {}
-    return LiveData(window, series, latency["ttft"], latency["itl"], changes, held, by_replica)
+    sizes = {} if replica else fleet_sizes.series_by_fleet(db, window.since, window.until)
+    return LiveData(window, series, latency["ttft"], latency["itl"], changes, held, by_replica, sizes)
 
 
 def _xy(s: Series, stat: str, scale: float = 1.0, gaps: bool = True) -> tuple[list[float], list[float | None]]:
@@ -238,11 +240,20 @@ def figure_specs(data: LiveData) -> list[dict[str, Any]]:
     else:
         running = [line(_xy(s["running"], "mean"), "running (mean)", charts.COLORS[0]),
                    line(_xy(s["running"], "max"), "running (max)", charts.COLORS[0], dash="dot", width=1)]
+    sizes = [line(_steps(points, w.until), f"replicas live ({fleet})" if len(data.fleet_sizes) > 1 else "replicas live",
+                  "#6b7280", shape="hv", dash="dash", width=1.5) for fleet, points in data.fleet_sizes.items()]
+    for trace in sizes:
+        trace["yaxis"] = "y2"
+    most_replicas = max((n for points in data.fleet_sizes.values() for _, n in points), default=0)
+    replica_axis = {"yaxis2": {"title": {"text": "replicas"}, "range": [0, most_replicas + 1], "overlaying": "y",
+                               "side": "right", "showgrid": False, "zeroline": False, "dtick": 1},
+                    "margin": {**charts.LAYOUT["margin"], "r": 60}} if sizes else {}
     figs = [
         figure("Running vs max_num_seqs", "sequences", [
             *running,
             line(_xy(s["max_num_seqs"], "max", gaps=False), "max_num_seqs", charts.COLORS[1], shape="hv"),
-        ], iterations),
+            *sizes,
+        ], iterations or bool(sizes), **replica_axis),
         figure("Waiting queue depth", "requests", [
             line(_xy(s["waiting"], "mean"), "waiting (mean)", charts.COLORS[4], fill="tozeroy"),
             line(_xy(s["waiting"], "max"), "waiting (max)", charts.COLORS[4], dash="dot", width=1),
@@ -318,6 +329,11 @@ def _fleet_total(by_replica: dict[str, dict[str, Series]], column: str) -> tuple
     bucket = next(iter(by_replica.values()))[column].bucket_s  # one grid: fetched over the same window
     times = sorted(totals)
     return [t + bucket / 2 for t in times], [totals[t] for t in times]
+
+
+def _steps(points: list[tuple[float, int]], until: float) -> tuple[list[float], list[float | None]]:
+    """A step function's change points, held to `until` (drawn with shape "hv")."""
+    return [t for t, _ in points] + [until], [float(n) for _, n in points] + [float(points[-1][1])]
 
 
 def hit_rate(hits: Series, queries: Series) -> tuple[list[float], list[float | None]]:

@@ -46,19 +46,24 @@ class EngineReplica:
         context = serve.get_replica_context()
         self.replica_id = f"{settings.server.replica_id}/{context.replica_id.unique_id}"[-64:]
         self.registry = ray.get_actor(REGISTRY_NAME, namespace=REGISTRY_NAMESPACE)
-        loaded = await asyncio.to_thread(_load, settings.engine)
-        # Join after the slow load so no fleet knob change is missed in between; from here on
-        # changes queue in this replica's inbox until its first poll.
-        fleet_knobs = await self.registry.join.remote(self.replica_id)
-        engine_config = dataclasses.replace(settings.engine, knobs=settings.engine.knobs.with_changes(fleet_knobs))
-        engine = LLMEngine(engine_config, loaded=loaded)
+        fleet_knobs: dict[str, Any] = {}
+
+        def build_engine() -> LLMEngine:  # on the engine's own loop thread (AsyncEngine.build)
+            loaded = _load(settings.engine)
+            # Join after the slow load so no fleet knob change is missed in between; from here on
+            # changes queue in this replica's inbox until its first poll.
+            fleet_knobs.update(ray.get(self.registry.join.remote(self.replica_id)))
+            knobs = settings.engine.knobs.with_changes(fleet_knobs)
+            return LLMEngine(dataclasses.replace(settings.engine, knobs=knobs), loaded=loaded)
+
+        aeng = await asyncio.to_thread(AsyncEngine.build, build_engine, settings.max_waiting)
         telemetry = None
         if settings.db_url:
             from ..telemetry.writer import TelemetryWriter
 
             telemetry = TelemetryWriter(settings.db_url, self.replica_id, retention=settings.telemetry_retention)
         server_config = dataclasses.replace(settings.server, replica_id=self.replica_id, self_url=None, api_key=None)
-        self.app = build_app(AsyncEngine(engine, max_waiting=settings.max_waiting), server_config, telemetry)
+        self.app = build_app(aeng, server_config, telemetry)
         self.state: AppState = self.app.state.appliance
         self.state.start()
         self._poller = asyncio.ensure_future(self._answer_calls())

@@ -259,8 +259,7 @@ def serve_main(args: argparse.Namespace) -> int:
     engine_config = engine_config_from_args(args)
     _check_bindable(opts["host"], opts["port"])
     telemetry = _open_telemetry(opts) if opts["db"] else None
-    engine = LLMEngine(engine_config)
-    aeng = AsyncEngine(engine, max_waiting=opts["max_waiting"])
+    aeng = AsyncEngine.build(lambda: LLMEngine(engine_config), max_waiting=opts["max_waiting"])
     config = ServerConfig(served_model_name=opts["served_model_name"], api_key=opts["api_key"],
                           max_body_bytes=opts["max_body_bytes"], replica_id=opts["replica_id"], db_url=opts["db"],
                           self_url=None if args.no_dashboard else _self_url(opts["host"], opts["port"]),

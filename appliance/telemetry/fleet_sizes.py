@@ -28,3 +28,14 @@ def series(target: Engine | str, fleet_id: str, since: float, until: float) -> l
     if before is not None:
         points.insert(0, (since, int(before[1])))
     return points
+
+
+def series_by_fleet(target: Engine | str, since: float, until: float) -> dict[str, list[tuple[float, int]]]:
+    """`series` of every fleet that had a size in force within [since, until) (a store normally
+    holds one fleet's; a dashboard draws each one it finds)."""
+    t = FleetSize.__table__
+    with using_engine(target) as engine:
+        with engine.connect() as conn:
+            fleet_ids = conn.execute(select(t.c.fleet_id).where(t.c.at < until).distinct()).scalars().all()
+        found = {fleet_id: series(engine, fleet_id, since, until) for fleet_id in sorted(fleet_ids)}
+    return {fleet_id: points for fleet_id, points in found.items() if points}
