@@ -34,9 +34,11 @@ class ServerProcess:
 
 
 @contextmanager
-def server_process(*serve_args: str, ready_timeout_s: float = 300.0, dashboard: bool = False) -> Iterator[ServerProcess]:
+def server_process(*serve_args: str, ready_timeout_s: float = 300.0, dashboard: bool = False,
+                   env: dict[str, str] | None = None) -> Iterator[ServerProcess]:
     """A fresh `appliance serve` with its store in a temp folder (the dashboard at /ui only when
-    asked), ready on /health; stopped by its PID afterwards. Its log is shown if it fails."""
+    asked), ready on /health; stopped by its PID afterwards. Its log is shown if it fails.
+    `env`: variables added to this process's environment for the server (e.g. OMP_NUM_THREADS)."""
     folder = Path(tempfile.mkdtemp(prefix="appliance-bench-"))
     db = f"sqlite:///{folder / 'telemetry.db'}"
     port = free_port()
@@ -46,7 +48,7 @@ def server_process(*serve_args: str, ready_timeout_s: float = 300.0, dashboard: 
     log_path = folder / "serve.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"})
+                                env={**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", **(env or {})})
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + ready_timeout_s

@@ -242,15 +242,22 @@ def test_the_replica_selector_shows_one_replica_or_the_whole_fleet(filled_store)
 
 def test_the_fleet_view_draws_the_fleet_size_over_time(filled_store):
     """The ingress's recorded fleet sizes (a replica lost, then replaced) are a step line on the
-    running chart's right axis, held to the window's end; a replica's own view has none."""
+    running chart's right axis, held to the window's end, while the fleet's replicas ran in the
+    window; a replica's own view has none, nor has a fleet whose replicas are gone."""
     from appliance.telemetry import fleet_sizes
 
     url, now, _ = filled_store
+    writer = TelemetryWriter(url, "fleet-a/x1", flush_interval_s=0.05).start()
+    for i in range(10):
+        writer.on_iteration(_iteration(i, now - 12 + i, running=3))
+    assert writer.flush()
+    writer.close()
     for at, count in ((now - 300, 2), (now - 15, 1), (now - 8, 2)):
         fleet_sizes.record(url, "fleet-a", count, at)
+    fleet_sizes.record(url, "old-fleet", 3, now - 900)  # an earlier fleet on the same store
     engine = store.make_engine(url)
     window = live_tab.resolve_window(engine, "1m", now=now)
-    fleet, one = live_tab.fetch(engine, window, "1m"), live_tab.fetch(engine, window, "1m", "r1")
+    fleet, one = live_tab.fetch(engine, window, "1m"), live_tab.fetch(engine, window, "1m", "fleet-a/x1")
     assert fleet.fleet_sizes == {"fleet-a": [(window.since, 2), (now - 15, 1), (now - 8, 2)]} and one.fleet_sizes == {}
     running = dict(zip(live_tab.CHART_IDS, live_tab.figure_specs(fleet)))["chart-running"]
     size = next(t for t in running["data"] if t["name"] == "replicas live")

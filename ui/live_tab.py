@@ -164,7 +164,10 @@ def fetch(db: Any, window: Window, choice: str, replica: str | None = None) -> L
     ids = [] if replica else queries.replicas(db, window.since, window.until)
     by_replica = {r: queries.iteration_series_many(db, REPLICA_SERIES, window.since, window.until, replica_id=r,
                                                    points=points) for r in ids} if len(ids) > 1 else {}
-    sizes = {} if replica else fleet_sizes.series_by_fleet(db, window.since, window.until)
+    # a fleet's size, while its replicas (ids "<fleet id>/<replica>") ran iterations in the window:
+    # a store kept from an earlier fleet keeps that fleet's last size, which no longer says anything
+    sizes = {fleet: points for fleet, points in fleet_sizes.series_by_fleet(db, window.since, window.until).items()
+             if any(r.startswith(f"{fleet}/") for r in ids)}
     return LiveData(window, series, latency["ttft"], latency["itl"], changes, held, by_replica, sizes)
 
 
