@@ -217,6 +217,82 @@ def test_streaming_goes_through_end_to_end(fleet, replica_ids):
                                                                                                        ["stop"])
 
 
+def test_sigterm_drains_the_ingress_as_one_box_does(fleet, replica_ids):
+    """`appliance serve --replicas N`'s server on SIGTERM (its handler called as the signal would):
+    new requests and /health get 503 "draining", a request that finishes within the grace ends
+    normally, one that cannot is cut with a "draining" error event (no hang) and the replica
+    aborts it; then the server exits. A second ingress over the module's fleet, so the other
+    tests keep theirs."""
+    import signal
+    import threading
+
+    import uvicorn
+
+    from appliance.fleet.drain import IngressDrain
+    from appliance.fleet.ingress import build_ingress
+    from appliance.server.cli import ApplianceServer
+    from conftest import tcp_socket
+
+    drain = IngressDrain()
+    sock = tcp_socket()
+    sock.bind(("127.0.0.1", 0))
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    server = ApplianceServer(uvicorn.Config(build_ingress(fleet, drain), log_level="warning", lifespan="on"),
+                             drain.drain, drain_grace_s=4.0)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the ingress did not start"
+        time.sleep(0.02)
+    results: dict[str, list[dict]] = {}
+
+    def stream(name: str, max_tokens: int, started: threading.Event) -> None:
+        body = {"model": "SmolLM2-135M-Instruct", "prompt": "Once upon a time", "max_tokens": max_tokens,
+                "ignore_eos": True, "stream": True}
+        events = results.setdefault(name, [])
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as response:
+            events.append({"status": response.status_code})
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    events.append({"done": True} if line == "data: [DONE]" else json.loads(line[6:]))
+                    started.set()
+
+    try:
+        streams = []
+        for name, max_tokens in (("short", 12), ("long", 4000)):
+            started = threading.Event()
+            streams.append(threading.Thread(target=stream, args=(name, max_tokens, started)))
+            streams[-1].start()
+            assert started.wait(60), results
+        server.handle_exit(signal.SIGTERM, None)
+        deadline = time.monotonic() + 3
+        health = refused = None
+        while time.monotonic() < deadline and (health is None or refused is None):
+            health = httpx.get(f"{url}/health", timeout=5)
+            refused = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 1}, timeout=5)
+        assert health.status_code == 503 and health.json() == {"status": "draining"}
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "draining"
+        for worker in streams:
+            worker.join(60)
+            assert not worker.is_alive(), results
+        thread.join(30)
+        assert not thread.is_alive(), "the ingress did not exit after the drain"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
+    short, long = results["short"], results["long"]
+    assert short[-1] == {"done": True} and short[-2]["choices"][0]["finish_reason"] == "length"
+    assert long[-1]["error"]["code"] == "draining"  # cut after the grace: an OpenAI-shaped error event
+    assert sum(1 for event in long if "choices" in event) < 4000
+    with httpx.Client(base_url=fleet.base_url, timeout=30) as http:  # the replicas aborted it: nothing left running
+        deadline = time.monotonic() + 30
+        while busy := sum(v["running"] + v["waiting"] for v in http.get("/admin/state").json()["replicas"].values()):
+            assert time.monotonic() < deadline, f"{busy} request(s) still in the replicas' engines"
+            time.sleep(0.2)
+
+
 def test_api_key_guards_the_ingress(fleet):
     from appliance.fleet.ingress import Fleet, build_ingress
     from appliance.server.state import ServerConfig

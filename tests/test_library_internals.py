@@ -69,7 +69,7 @@ def test_uvicorn_calls_handle_exit_on_sigint_and_sigterm_while_serving():
     from appliance.server.cli import ApplianceServer
 
     assert threading.current_thread() is threading.main_thread()
-    server = ApplianceServer(uvicorn.Config(app=None), state=None, drain_grace_s=0.0)  # type: ignore[arg-type]
+    server = ApplianceServer(uvicorn.Config(app=None), drain=None, drain_grace_s=0.0)  # type: ignore[arg-type]
     capture = getattr(server, "capture_signals", None)
     assert capture is not None, (f"uvicorn {uvicorn.__version__}: Server.capture_signals moved; check how it "
                                  "installs its signal handlers (ApplianceServer.handle_exit) and the pin in pyproject.toml")

@@ -1,4 +1,5 @@
-"""`appliance serve --replicas N`: validate, prepare the store, start the fleet, serve the ingress."""
+"""`appliance serve --replicas N`: validate, prepare the store, start the fleet, serve the ingress
+(drained on SIGINT/SIGTERM as one box is: `--drain-grace-s`)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ def absolute_sqlite(url: str) -> str:
 
 
 def fleet_main(args: argparse.Namespace) -> int:
-    from ..server.cli import _check_bindable, _self_url, server_options
+    from ..server.cli import ApplianceServer, _check_bindable, _self_url, server_options
     from ..server.state import ServerConfig
     from ..settings import engine_config_from_args, merged_settings
     from ..telemetry import store
@@ -43,6 +44,7 @@ def fleet_main(args: argparse.Namespace) -> int:
                           self_url=None if args.no_dashboard else _self_url(opts["host"], opts["port"]))
 
     from .cluster import start_fleet, stop_fleet
+    from .drain import IngressDrain
     from .ingress import build_ingress
     from .replica import ReplicaSettings
 
@@ -50,12 +52,17 @@ def fleet_main(args: argparse.Namespace) -> int:
                                telemetry_retention=opts["telemetry_retention"], torch_threads=spec.torch_threads)
     fleet = start_fleet(spec, settings)
     try:
-        app = build_ingress(fleet)
+        drain = IngressDrain()
+        app = build_ingress(fleet, drain)
         log.info("fleet of %d replica(s) serving on http://%s:%d (auth %s)", spec.replicas, opts["host"],
                  opts["port"], "on" if opts["api_key"] else "off")
-        server = uvicorn.Server(uvicorn.Config(app, host=opts["host"], port=opts["port"], log_config=None,
-                                               lifespan="on", timeout_graceful_shutdown=5))
-        server.run()
+        server = ApplianceServer(uvicorn.Config(app, host=opts["host"], port=opts["port"], log_config=None,
+                                                lifespan="on", timeout_graceful_shutdown=5),
+                                 drain.drain, opts["drain_grace_s"])
+        try:
+            server.run()
+        except SystemExit as exc:  # uvicorn exits this way when it cannot bind
+            return exc.code if isinstance(exc.code, int) and exc.code else 1
         return 0 if server.started else 1
     finally:
         stop_fleet(spec)

@@ -14,7 +14,7 @@ import json
 import logging
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator
 
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
@@ -24,10 +24,11 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from ..server.app import ApiKeyMiddleware, _api_error, _http_error, _internal_error, _mount_dashboard
-from ..server.errors import APIError, JSONResponse, ServerErrorCode, error_object
+from ..server.errors import APIError, JSONResponse, ServerErrorCode, draining_error, error_object
 from ..server.protocol import parse_json, read_body
 from ..server.state import AppState, ServerConfig
 from .bridge import BufferedResponse, ForwardedRequest, ResponseStart
+from .drain import IngressDrain
 from .metrics import merge_replica_metrics
 from .sizes import record_sizes
 
@@ -90,25 +91,30 @@ def _json(answer: BufferedResponse) -> dict[str, Any]:
     return json.loads(answer.body) if answer.body else {}
 
 
-def build_ingress(fleet: Fleet, on_shutdown: Callable[[], None] | None = None) -> Starlette:
+def build_ingress(fleet: Fleet, drain: IngressDrain | None = None) -> Starlette:
+    """The ingress app; `drain` is what its server's SIGTERM handler drains (a new one if None)."""
     config = fleet.config
+    drain = drain or IngressDrain()
 
     async def forward(request: Request) -> Response:
         """An OpenAI route: to the replica Ray Serve's router picks, streamed back."""
+        drain.admit()
         body = await read_body(request, config.max_body_bytes)
         stream = fleet.handle.options(stream=True).http.remote(_forwarded(request, body))
+        drain.opened(stream)
+        relayed = False
         try:
             start = await stream.__anext__()
-        except Exception as exc:  # noqa: BLE001 - the replica died or none could take it
-            raise _lost(exc) from None
-        if (start.header("content-type") or "").startswith("text/event-stream"):
-            return StreamingResponse(_relay(stream), status_code=start.status, headers=_response_headers(start))
-        chunks = []
-        try:
-            async for chunk in stream:
-                chunks.append(chunk)
-        except Exception as exc:  # noqa: BLE001
-            raise _lost(exc) from None
+            if (start.header("content-type") or "").startswith("text/event-stream"):
+                relayed = True  # _relay closes it
+                return StreamingResponse(_relay(stream, drain), status_code=start.status,
+                                         headers=_response_headers(start))
+            chunks = [chunk async for chunk in stream]
+        except Exception as exc:  # noqa: BLE001 - the replica died, none could take it, or the drain cut it
+            raise (draining_error(cut=True) if drain.closed(stream) else _lost(exc)) from None
+        finally:
+            if not relayed:
+                drain.closed(stream)
         return Response(b"".join(chunks), status_code=start.status, headers=_response_headers(start))
 
     async def knobs(request: Request) -> JSONResponse:
@@ -152,6 +158,8 @@ def build_ingress(fleet: Fleet, on_shutdown: Callable[[], None] | None = None) -
         return Response(merge_replica_metrics(texts), media_type=CONTENT_TYPE_LATEST)
 
     async def health(request: Request) -> JSONResponse:
+        if drain.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
         replicas = await fleet.replicas()
         return JSONResponse({"status": "ok" if replicas else "no_replicas", "replicas": replicas},
                             status_code=200 if replicas else 503)
@@ -167,8 +175,6 @@ def build_ingress(fleet: Fleet, on_shutdown: Callable[[], None] | None = None) -
             stop.set()
             if sampler is not None:
                 await sampler
-            if on_shutdown is not None:
-                on_shutdown()
 
     routes = [
         Route("/v1/chat/completions", forward, methods=["POST"]),
@@ -206,14 +212,18 @@ def _knob_summary(answer: BufferedResponse | None) -> dict[str, Any]:
             "knobs": body.get("knobs")}
 
 
-async def _relay(stream: Any) -> AsyncIterator[bytes]:
-    """A replica's event stream, ended by an OpenAI-shaped error event if the replica is lost."""
+async def _relay(stream: Any, drain: IngressDrain) -> AsyncIterator[bytes]:
+    """A replica's event stream, ended by an OpenAI-shaped error event if the replica is lost or
+    the drain cut it."""
     try:
         async for chunk in stream:
             yield chunk
     except Exception as exc:  # noqa: BLE001
-        log.warning("replica lost mid-stream: %s", exc)
-        error = _lost(exc)
+        cut = drain.closed(stream)
+        if not cut:
+            log.warning("replica lost mid-stream: %s", exc)
+        error = draining_error(cut=True) if cut else _lost(exc)
         yield f"data: {json.dumps({'error': error_object(error.message, error.type, None, error.code)})}\n\n".encode()
     finally:
+        drain.closed(stream)
         stream.cancel()  # the client went away (or the stream ended): free the replica's slot

@@ -17,12 +17,9 @@ import math
 import os
 import signal
 import socket
-from typing import TYPE_CHECKING, Any
+from typing import Any, Awaitable, Callable
 
 import uvicorn
-
-if TYPE_CHECKING:
-    from .state import AppState
 
 log = logging.getLogger(__name__)
 
@@ -204,9 +201,11 @@ def _redact_in_logs(secret: str) -> None:
 class ApplianceServer(uvicorn.Server):
     """uvicorn.Server whose first SIGINT/SIGTERM drains the app before shutting down."""
 
-    def __init__(self, config: uvicorn.Config, state: AppState, drain_grace_s: float):
+    def __init__(self, config: uvicorn.Config, drain: Callable[[float], Awaitable[Any]], drain_grace_s: float):
+        """`drain(grace_s)` stops admitting, gives in-flight requests `grace_s`, ends the rest
+        (AppState.drain on one box, IngressDrain.drain for a fleet's ingress)."""
         super().__init__(config)
-        self.state = state
+        self.drain = drain
         self.drain_grace_s = drain_grace_s
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain_tasks: set[asyncio.Task] = set()
@@ -238,7 +237,7 @@ class ApplianceServer(uvicorn.Server):
 
     async def _drain_then_exit(self, grace_s: float) -> None:
         try:
-            await self.state.drain(grace_s)
+            await self.drain(grace_s)
         finally:
             self.should_exit = True
 
@@ -267,7 +266,7 @@ def serve_main(args: argparse.Namespace) -> int:
     app = build_app(aeng, config, telemetry)
     uv_config = uvicorn.Config(app, host=opts["host"], port=opts["port"], log_config=None, lifespan="on",
                                timeout_graceful_shutdown=5, workers=1)
-    server = ApplianceServer(uv_config, app.state.appliance, opts["drain_grace_s"])
+    server = ApplianceServer(uv_config, app.state.appliance.drain, opts["drain_grace_s"])
     log.info("serving %s on http://%s:%d (auth %s)", app.state.appliance.model_name, opts["host"], opts["port"],
              "on" if opts["api_key"] else "off")
     try:

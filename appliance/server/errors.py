@@ -99,3 +99,11 @@ def error_object(message: str, type: str, param: str | None = None, code: ErrorC
 
 def bad_request(message: str, param: str | None = None, code: ErrorCode | None = None) -> APIError:
     return APIError(400, message, param=param, code=code)
+
+
+def draining_error(cut: bool = False) -> APIError:
+    """What a request that arrives while the server drains for shutdown gets, or (`cut`) one
+    still running when the drain's grace ran out."""
+    message = ("the server shut down before this request finished (its drain grace ran out)" if cut
+               else "the server is shutting down and accepts no new requests")
+    return APIError(503, message, code=ServerErrorCode.DRAINING, headers={"Retry-After": "1"})

@@ -32,7 +32,7 @@ from ..engine import (
     RequestOutput,
     SamplingParams,
 )
-from .errors import APIError, JSONResponse, ServerErrorCode, error_object
+from .errors import APIError, JSONResponse, ServerErrorCode, draining_error, error_object
 from .protocol import (
     DEFAULT_CHAT_MAX_TOKENS_CAP,
     DEFAULT_COMPLETION_MAX_TOKENS,
@@ -104,8 +104,7 @@ def _engine_error(exc: BaseException) -> APIError:
     if isinstance(exc, QueueFullError):
         return APIError(429, f"{exc}; retry later", code=ServerErrorCode.QUEUE_FULL, headers={"Retry-After": "1"})
     if isinstance(exc, EngineDrainingError):
-        return APIError(503, "the server is shutting down and accepts no new requests", code=ServerErrorCode.DRAINING,
-                        headers={"Retry-After": "1"})
+        return draining_error()
     if isinstance(exc, EngineDeadError):
         return APIError(503, str(exc), code=ServerErrorCode.ENGINE_UNAVAILABLE)
     return APIError(503, f"internal engine error: {type(exc).__name__}", code=ServerErrorCode.ENGINE_ERROR)
