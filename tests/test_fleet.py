@@ -232,6 +232,7 @@ def test_sigterm_drains_the_ingress_as_one_box_does(fleet, replica_ids):
     from appliance.fleet.ingress import build_ingress
     from appliance.server.cli import ApplianceServer
     from conftest import tcp_socket
+    from drain_check import DrainStreams, assert_refusing_while_draining
 
     drain = IngressDrain()
     sock = tcp_socket()
@@ -245,44 +246,19 @@ def test_sigterm_drains_the_ingress_as_one_box_does(fleet, replica_ids):
     while not server.started:
         assert thread.is_alive() and time.monotonic() < deadline, "the ingress did not start"
         time.sleep(0.02)
-    results: dict[str, list[dict]] = {}
-
-    def stream(name: str, max_tokens: int, started: threading.Event) -> None:
-        body = {"model": "SmolLM2-135M-Instruct", "prompt": "Once upon a time", "max_tokens": max_tokens,
-                "ignore_eos": True, "stream": True}
-        events = results.setdefault(name, [])
-        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as response:
-            events.append({"status": response.status_code})
-            for line in response.iter_lines():
-                if line.startswith("data: "):
-                    events.append({"done": True} if line == "data: [DONE]" else json.loads(line[6:]))
-                    started.set()
-
+    streams = DrainStreams(url)
     try:
-        streams = []
-        for name, max_tokens in (("short", 12), ("long", 4000)):
-            started = threading.Event()
-            streams.append(threading.Thread(target=stream, args=(name, max_tokens, started)))
-            streams[-1].start()
-            assert started.wait(60), results
+        streams.start()
         server.handle_exit(signal.SIGTERM, None)
-        deadline = time.monotonic() + 3
-        health = refused = None
-        while time.monotonic() < deadline and (health is None or refused is None):
-            health = httpx.get(f"{url}/health", timeout=5)
-            refused = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 1}, timeout=5)
-        assert health.status_code == 503 and health.json() == {"status": "draining"}
-        assert refused.status_code == 503 and refused.json()["error"]["code"] == "draining"
-        for worker in streams:
-            worker.join(60)
-            assert not worker.is_alive(), results
+        assert_refusing_while_draining(url)
+        streams.join()
         thread.join(30)
         assert not thread.is_alive(), "the ingress did not exit after the drain"
     finally:
         server.should_exit = True
         thread.join(30)
         sock.close()
-    short, long = results["short"], results["long"]
+    short, long = streams.events["short"], streams.events["long"]
     assert short[-1] == {"done": True} and short[-2]["choices"][0]["finish_reason"] == "length"
     assert long[-1]["error"]["code"] == "draining"  # cut after the grace: an OpenAI-shaped error event
     assert sum(1 for event in long if "choices" in event) < 4000

@@ -3,16 +3,14 @@ upgrade at start, and the SIGTERM drain."""
 
 from __future__ import annotations
 
-import json
 import socket
-import threading
-import time
 
 import httpx
 import openai
 import pytest
 
 from appliance.cli import main
+from drain_check import DrainStreams, assert_refusing_while_draining
 
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -103,44 +101,14 @@ def test_api_key_guards_v1_and_admin(spawn_server, tmp_path):
 def test_sigterm_drains_then_exits_0(spawn_server, tmp_path):
     server = spawn_server("--num-blocks", "256", "--drain-grace-s", "4", "--db", f"sqlite:///{tmp_path}/t.db",
                           "--no-dashboard")
-    url = server.base_url
-    results: dict[str, list[dict]] = {}
-
-    def stream(name: str, max_tokens: int, started: threading.Event) -> None:
-        body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": max_tokens, "ignore_eos": True,
-                "stream": True}
-        events = results.setdefault(name, [])
-        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
-            events.append({"status": response.status_code})
-            for line in response.iter_lines():
-                if line.startswith("data: ") and line != "data: [DONE]":
-                    events.append(json.loads(line[6:]))
-                    started.set()
-                elif line == "data: [DONE]":
-                    events.append({"done": True})
-
-    threads = []
-    for name, max_tokens in (("short", 12), ("long", 4000)):
-        started = threading.Event()
-        thread = threading.Thread(target=stream, args=(name, max_tokens, started))
-        thread.start()
-        assert started.wait(60), results
-        threads.append(thread)
-
+    streams = DrainStreams(server.base_url)
+    streams.start()
     server.terminate()
-    deadline = time.monotonic() + 3
-    health = refused = None
-    while time.monotonic() < deadline and (health is None or refused is None):
-        health = httpx.get(f"{url}/health", timeout=5)
-        refused = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 1}, timeout=5)
-    assert health.status_code == 503 and health.json() == {"status": "draining"}
-    assert refused.status_code == 503 and refused.json()["error"]["code"] == "draining"
-
-    for thread in threads:
-        thread.join(60)
+    assert_refusing_while_draining(server.base_url)
+    streams.join()
     assert server.proc.wait(60) == 0
     for name, reason in (("short", "length"), ("long", "abort")):
-        events = results[name]
+        events = streams.events[name]
         assert events[-1] == {"done": True}, name
         assert events[-2]["choices"][0]["finish_reason"] == reason, name
     log = server.log()
