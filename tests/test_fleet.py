@@ -18,7 +18,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from appliance.fleet.options import fleet_spec
+from appliance.fleet.ray_env import apply_ray_env
 
+apply_ray_env()  # as `appliance serve --replicas` does, before Ray Serve is imported
 pytest.importorskip("ray.serve", reason="the fleet needs the `fleet` extra (ray[serve])")
 
 from conftest import TEST_DEVICE, TEST_MODEL, run_app  # noqa: E402

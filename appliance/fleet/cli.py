@@ -43,6 +43,9 @@ def fleet_main(args: argparse.Namespace) -> int:
                           max_body_bytes=opts["max_body_bytes"], replica_id=opts["replica_id"], db_url=db,
                           self_url=None if args.no_dashboard else _self_url(opts["host"], opts["port"]))
 
+    from .ray_env import apply_ray_env
+
+    apply_ray_env()  # before Ray Serve is imported
     from .cluster import start_fleet, stop_fleet
     from .drain import IngressDrain
     from .ingress import build_ingress

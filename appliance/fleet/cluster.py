@@ -4,7 +4,6 @@ registry actor and the Ray Serve application of engine replicas."""
 from __future__ import annotations
 
 import logging
-import os
 
 from .ingress import Fleet
 from .options import FleetSpec
@@ -19,7 +18,6 @@ DEPLOYMENT_NAME = "engine"
 def start_fleet(spec: FleetSpec, settings: ReplicaSettings) -> Fleet:
     """Connect to (or start) Ray, start Serve without its HTTP proxy (the ingress is this
     process's port), and deploy the replicas; returns once they all serve."""
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # set before Ray is imported: no usage reports
     import ray
     from ray import serve
     from ray.serve.config import ProxyLocation
