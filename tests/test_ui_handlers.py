@@ -250,7 +250,7 @@ def test_load_test_runs_reports_progress_and_is_stored(server, client):
     job = client.submit("skewed", 4, "all at once", 4, 2, 8, 0, "ui smoke", None, api_name="/loadtest_start")
     outputs, (message, progress, results, _chart) = _final(job)
     assert "finished" in message and 'data-state="finished"' in progress
-    assert any('data-state="running"' in o[1] for o in outputs[:-1])  # live progress while it ran
+    assert any('data-state="running"' in o[1] for o in outputs[:-1])  # progress reported from the start
     (row,) = results["data"]
     assert row[1] == "completed" and row[2] == 4 and row[3] == 0
     run = runs.get_run(server.db_url, row[-1], with_requests=True)

@@ -330,7 +330,7 @@ class LoadTestTab:
         yield from self.run(form, ab=True, request=request)
 
     def run(self, form: tuple[Any, ...], ab: bool, request: gr.Request) -> Iterator[list[Any]]:
-        """Start a job and report its progress every POLL_S until it ends."""
+        """Start a job and report its progress at once, then every POLL_S until it ends."""
         self.ctx.check(request)
         yield ["Preparing the workload…", "", gr.update(), gr.update()]
         try:
@@ -340,8 +340,10 @@ class LoadTestTab:
             return
         job = self.tests.start(spec, ab)
         label = "A/B job" if ab else "Load test"
-        while not job.done.wait(POLL_S):
+        while True:
             yield [f"{label} running: {spec.workload}", progress_html(job), result_rows(job), gr.update()]
+            if job.done.wait(POLL_S):
+                break
         end = "cancelled" if job.cancelled else "failed" if job.error else "finished"
         message = f"{label} {end}: {spec.workload}"
         if job.error:

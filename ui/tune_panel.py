@@ -298,7 +298,7 @@ class TunePanel:
     def run(self, workload: str, arrival: str, rate: float, concurrency: float, max_output: float, seed: float,
             upload: str | None, seqs: str, budgets: str, chunks: str, per_point: float, slo: str,
             attainment: float, refine: bool, fmt: str, request: gr.Request) -> Iterator[list[Any]]:
-        """Start a sweep and report its progress every POLL_S until it ends."""
+        """Start a sweep and report its progress at once, then every POLL_S until it ends."""
         self.ctx.check(request)
         keep = gr.update()
         yield ["Preparing the sweep…", "", keep, keep, "", gr.update(interactive=False), None, None]
@@ -310,7 +310,7 @@ class TunePanel:
             return
         job = self.sweeps.start(spec)
         shown = -1
-        while not job.done.wait(POLL_S):
+        while True:
             result = partial_result(job)
             measured = sum(p.status is not PointStatus.PENDING for p in result.points)
             chart = keep
@@ -318,6 +318,8 @@ class TunePanel:
                 shown, chart = measured, sweep_figure(result)
             yield [f"Sweep running: {spec.load.workload}", progress_html(job), point_rows(result), chart,
                    keep, keep, keep, keep]
+            if job.done.wait(POLL_S):
+                break
         result = partial_result(job)
         message = f"Sweep {job.state}: {spec.load.workload}"
         if job.error:
