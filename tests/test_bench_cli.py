@@ -80,6 +80,7 @@ def test_text_summary_and_failures_exit_1(fake, db, tmp_path, capsys):
     assert "Completed               1/3" in out
     assert "http_429: 1, http_5xx: 1" in out
     assert "Request throughput" in out and "TTFT" in out and f"Stored in {db}" in out
+    assert "Prefix cache hit rate" in out
 
 
 def test_packaged_skewed_workload_is_sent_as_token_ids(fake, db, capsys):

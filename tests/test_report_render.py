@@ -77,6 +77,7 @@ def test_markdown_holds_the_store_numbers(stored, ids):
         assert count > 0
         assert f"| Iterations | {count} |" in section and f"| Max waiting | {waiting} |" in section
         assert f"| Padding rows | {padding} |" in section and f"| Preemptions | {preemptions} |" in section
+        assert re.search(r"\| Prefix cache hit rate \(tokens at admission\) \| \d+% \|", section)
     # the live change during run A is listed with the run, the comparison names the winner
     assert "max_num_seqs: 2 -> 3" in run_section(md, 1)
     assert "max_num_seqs: 2 -> 3" not in run_section(md, 2)
