@@ -167,7 +167,7 @@ def fetch(db: Any, window: Window, choice: str, replica: str | None = None) -> L
     # a fleet's size, while its replicas (ids "<fleet id>/<replica>") ran iterations in the window:
     # a store kept from an earlier fleet keeps that fleet's last size, which no longer says anything
     sizes = {fleet: points for fleet, points in fleet_sizes.series_by_fleet(db, window.since, window.until).items()
-             if any(r.startswith(f"{fleet}/") for r in ids)}
+             if any(r.startswith(f"{fleet}/") for r in ids)} if ids else {}
     return LiveData(window, series, latency["ttft"], latency["itl"], changes, held, by_replica, sizes)
 
 
