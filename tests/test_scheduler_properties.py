@@ -253,6 +253,24 @@ def test_an_identical_prompt_reuses_every_full_block_but_computes_its_last_token
     scheduler.block_manager.check_invariants()
 
 
+def test_each_full_block_is_hashed_once_not_every_step(monkeypatch):
+    import appliance.engine.block_manager as block_manager
+
+    calls: list[tuple[bytes, tuple[int, ...]]] = []
+    real = block_manager.block_hash
+
+    def counting(parent: bytes, token_ids: list[int]) -> bytes:
+        calls.append((parent, tuple(token_ids)))
+        return real(parent, token_ids)
+
+    monkeypatch.setattr(block_manager, "block_hash", counting)
+    scheduler = caching_scheduler(32, 4)
+    seq = make_seq(0, 0, 9, list(range(1, 21)))  # 20 prompt tokens in chunks of 8, then 9 decodes
+    outs = run_alone(scheduler, seq)
+    assert len(outs) > len(calls)  # more steps than hashes
+    assert len(set(calls)) == len(calls) == len(seq.block_hashes) == 7  # 28 computed tokens: 7 full blocks
+
+
 def test_budget_and_long_prompt_limits_count_only_uncached_tokens():
     scheduler = caching_scheduler(64, 4, max_num_batched_tokens=16, long_prefill_token_threshold=8)
     prompt = [(i * 7) % 11 + 1 for i in range(41)]
