@@ -19,12 +19,15 @@ from appliance.bench.report import page as report_page
 LABELLED = 3  # knob changes per chart that show their label (older ones: the version)
 LABEL_CHARS = 60
 COLORS = ("#2563eb", "#dc2626", "#16a34a", "#9333ea", "#ea580c", "#0891b2", "#ca8a04", "#db2777")
-# The title takes the top line and the legend the line under it, both from the left: side by
-# side they overlapped in half-width charts ("Running vs max_num…" under the legend).
+# The title takes the top line and the legend starts under it, both from the left: side by side
+# they overlapped in half-width charts. The legend is placed in container pixels and grows down,
+# so plotly reserves its height above the plot: a legend that wraps (narrow chart, wide font)
+# pushes the plot down rather than up over the title.
+TITLE_PX = 30
 LAYOUT = dict(
     height=260,
     margin=dict(l=55, r=20, t=58, b=35),
-    legend=dict(orientation="h", yanchor="bottom", y=1.0, xanchor="left", x=0.0, font=dict(size=10)),
+    legend=dict(orientation="h", yref="container", yanchor="top", xanchor="left", x=0.0, font=dict(size=10)),
     template={},  # plotly.js's own defaults and the settings here: a small payload
     plot_bgcolor="white",
     paper_bgcolor="white",
@@ -42,7 +45,9 @@ def layout(title: str, ytitle: str | None = None, xtitle: str | None = None, **e
                                    pad=dict(t=6), font=dict(size=14))}
     out["xaxis"] = {**LAYOUT["xaxis"], **({"title": dict(text=xtitle)} if xtitle else {}), **extra.pop("xaxis", {})}
     out["yaxis"] = {**LAYOUT["yaxis"], **({"title": dict(text=ytitle)} if ytitle else {}), **extra.pop("yaxis", {})}
-    return {**out, **extra}
+    out = {**out, **extra}
+    out["legend"] = {**out["legend"], "y": 1 - TITLE_PX / out["height"]}
+    return out
 
 
 def when(t: float) -> datetime:
