@@ -14,18 +14,18 @@ TRUE = {INTERCEPT: 0.004, "decode_rows": 0.0006, "prefill_tokens": 0.00021, "pre
 GAP = 0.0007
 
 
-def synthetic_rows(n: int, noise: float, seed: int = 0) -> list[dict]:
-    """Iteration rows whose duration is TRUE's linear function of a random composition, times
-    (1 + uniform noise), started back to back GAP apart."""
+def synthetic_rows(n: int, noise: float, seed: int = 0, true: dict[str, float] = TRUE, max_chunks: int = 3) -> list[dict]:
+    """Iteration rows whose duration is `true`'s linear function of a random composition (at most
+    `max_chunks` prefill chunks a step), times (1 + uniform noise), started back to back GAP apart."""
     rng = random.Random(seed)
     rows, t = [], 1000.0
     for i in range(n):
         decode = rng.randint(0, 64)
-        prefill_seqs = rng.randint(0, 3)
+        prefill_seqs = rng.randint(0, max_chunks)
         prefill = rng.randint(prefill_seqs, 200 * prefill_seqs) if prefill_seqs else 0
         context = decode * rng.randint(20, 600)
-        exact = TRUE[INTERCEPT] + TRUE["decode_rows"] * decode + TRUE["prefill_tokens"] * prefill + \
-            TRUE["prefill_seqs"] * prefill_seqs + TRUE["decode_context_tokens"] * context
+        exact = true[INTERCEPT] + true["decode_rows"] * decode + true["prefill_tokens"] * prefill + \
+            true["prefill_seqs"] * prefill_seqs + true["decode_context_tokens"] * context
         duration = exact * (1 + rng.uniform(-noise, noise))
         rows.append({"iteration": i, "started_at": t, "duration_s": duration, "running": 3, "waiting": 0,
                      "decode_seqs": decode, "padding_tokens": 0, "prefill_tokens": prefill,
@@ -52,6 +52,20 @@ def test_noisy_rows_give_coefficients_within_tolerance_and_an_honest_heldout_err
     assert model.coefficients[INTERCEPT] == pytest.approx(TRUE[INTERCEPT], rel=0.25)
     # mean |uniform(-5 %, 5 %)| is 2.5 %: the held-out error says so
     assert 0.015 < model.heldout_mape < 0.035
+
+
+def test_a_feature_that_buys_no_heldout_accuracy_is_left_out_and_one_that_pays_is_kept():
+    # one prompt prefilled at a time and no real price per chunk: a chunk price would only be the
+    # jump from a decode-only step to a prefill step, which smaller chunks would multiply
+    one_chunk = synthetic_rows(1000, noise=0.1, seed=3, true={**TRUE, "prefill_seqs": 0.0}, max_chunks=1)
+    model = fit_step_time(one_chunk, KEY)
+    assert model.coefficients["prefill_seqs"] == 0.0
+    assert model.method.endswith(" -chunks"), model.method
+    assert model.coefficients["decode_context_tokens"] == pytest.approx(TRUE["decode_context_tokens"], rel=0.1)
+    # chunks that vary and cost something: priced
+    model = fit_step_time(synthetic_rows(1000, noise=0.1, seed=3), KEY)
+    assert "-" not in model.method, model.method
+    assert model.coefficients["prefill_seqs"] == pytest.approx(TRUE["prefill_seqs"], rel=0.5)
 
 
 def test_static_padding_rows_count_as_decode_rows():

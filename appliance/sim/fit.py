@@ -6,8 +6,14 @@ tokens the decode rows attend to (attention reads every cached token), plus a fi
 step. Every coefficient is a cost, so none may be negative (an unconstrained fit of a short run
 trades features off against each other, e.g. a negative price per attended token, and then
 mispredicts any composition the run did not have). Two non-negative least-squares fits (plain and
-relative-error weighted) are compared on held-out iterations and the one with the lowest held-out
-error is kept. A model is valid for one engine configuration (its `EngineKey`).
+relative-error weighted), each with and without the OPTIONAL features, are compared on held-out
+iterations; the simplest fit whose held-out error is within one standard error of the best one's
+is kept (the one-standard-error rule). A window that cannot tell a feature's price apart from the
+others' leaves it out rather than guess one: with one prompt prefilled at a time every prefill step
+carries one chunk, so a price per chunk is only the jump from a decode-only step to a prefill step,
+which a setting with smaller chunks or several prompts in prefill would multiply (fitted on such a
+window, the price per chunk made every small-chunk setting 20-35 % too slow in
+benchmarks/simulator_accuracy.py). A model is valid for one engine configuration (its `EngineKey`).
 
 Iterations of one composition do not all take the same time (on a shared CPU the step time of a
 small batch varies by 2x from one iteration to the next). The model keeps that spread: the
@@ -18,6 +24,7 @@ tail latencies (p99 ITL, TTFT) see the spread the engine really has.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -26,6 +33,7 @@ from typing import Any
 import numpy as np
 
 FEATURES = ("decode_rows", "prefill_tokens", "prefill_seqs", "decode_context_tokens")
+OPTIONAL = ("prefill_seqs", "decode_context_tokens")  # priced only when the window shows they pay
 INTERCEPT = "intercept"
 MIN_ROWS = 20  # fewer iterations than this cannot pin down five coefficients and a held-out error
 HOLDOUT_EVERY = 5  # every 5th iteration (in time order) is held out
@@ -150,14 +158,7 @@ def fit_step_time(
     y = np.array([float(r["duration_s"]) for r in usable])
     held = np.zeros(len(usable), dtype=bool)
     held[HOLDOUT_EVERY - 1 :: HOLDOUT_EVERY] = True
-    best: tuple[float, str, np.ndarray] | None = None
-    for method, solve in _METHODS.items():
-        beta = solve(X[~held], y[~held])
-        mape = float(np.mean(np.abs(_predict(X[held], beta) - y[held]) / y[held]))
-        if best is None or mape < best[0]:
-            best = (mape, method, beta)
-    assert best is not None
-    mape, method, beta = best
+    mape, method, beta = _select(X, y, held)
     mae = float(np.mean(np.abs(_predict(X[held], beta) - y[held])))
     noise = np.percentile(y[~held] / _predict(X[~held], beta), NOISE_PERCENTILES)
     names = (INTERCEPT, *FEATURES)
@@ -169,6 +170,25 @@ def fit_step_time(
         window_end=max(s + float(r["duration_s"]) for s, r in zip(started, usable)),
         noise=tuple(float(q) for q in noise),
     )
+
+
+def _select(X: np.ndarray, y: np.ndarray, held: np.ndarray) -> tuple[float, str, np.ndarray]:
+    """(held-out MAPE, method, coefficients) of the kept fit: of every method over every subset of
+    the OPTIONAL features, the one with the fewest features whose held-out error is within one
+    standard error of the lowest (then the lowest error); a feature left out is priced at 0."""
+    optional = [1 + FEATURES.index(name) for name in OPTIONAL]  # column 0 is the intercept
+    fits = []
+    for dropped in itertools.chain.from_iterable(itertools.combinations(optional, k) for k in range(len(optional) + 1)):
+        cols = [c for c in range(X.shape[1]) if c not in dropped]
+        for method, solve in _METHODS.items():
+            beta = np.zeros(X.shape[1])
+            beta[cols] = solve(X[~held][:, cols], y[~held])
+            ape = np.abs(_predict(X[held], beta) - y[held]) / y[held]
+            label = method + "".join(f" -{_SHORT[FEATURES[c - 1]]}" for c in dropped)
+            fits.append((float(ape.mean()), float(ape.std(ddof=1) / np.sqrt(len(ape))), len(cols), label, beta))
+    best = min(fits, key=lambda f: f[0])
+    mape, _, _, method, beta = min((f for f in fits if f[0] <= best[0] + best[1]), key=lambda f: (f[2], f[0]))
+    return mape, method, beta
 
 
 def loop_gap(rows: Sequence[Mapping[str, Any]]) -> float:
@@ -205,7 +225,8 @@ def _nonneg(X: np.ndarray, y: np.ndarray, w: np.ndarray | None = None) -> np.nda
     return np.maximum(beta, 0.0)
 
 
-_METHODS = {
-    "nonnegative": _nonneg,
-    "relative_nonnegative": lambda X, y: _nonneg(X, y, 1.0 / y),  # minimises relative error
+_METHODS = {  # names stay short: a stored model's method (with what it left out) holds 32 characters
+    "nnls": _nonneg,
+    "relative nnls": lambda X, y: _nonneg(X, y, 1.0 / y),  # minimises relative error
 }
+_SHORT = {"prefill_seqs": "chunks", "decode_context_tokens": "context"}
