@@ -6,7 +6,9 @@ One Ray cluster for this module: started by the `fleet` fixture, stopped at its 
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
+import os
 import subprocess
 import sys
 import time
@@ -20,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from appliance.fleet.options import fleet_spec
 from appliance.fleet.ray_env import apply_ray_env
 
-apply_ray_env()  # as `appliance serve --replicas` does, before Ray Serve is imported
+apply_ray_env(loopback_only=True)  # as `appliance serve --replicas` on 127.0.0.1 does, before Ray is imported
 pytest.importorskip("ray.serve", reason="the fleet needs the `fleet` extra (ray[serve])")
 
 from conftest import TEST_DEVICE, TEST_MODEL, run_app  # noqa: E402
@@ -204,6 +206,65 @@ def test_the_fleet_size_is_a_telemetry_series(fleet, replica_ids):
         assert time.monotonic() < deadline, points
         time.sleep(0.5)
     assert all(0 <= n <= 2 for _, n in points) and [t for t, _ in points] == sorted(t for t, _ in points)
+
+
+def _listening_sockets(pids: set[int]) -> list[tuple[int, ipaddress.IPv4Address | ipaddress.IPv6Address, int]]:
+    """(pid, address, port) of every listening TCP socket the processes `pids` hold, from /proc."""
+    owner: dict[int, int] = {}
+    for pid in pids:
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if link.startswith("socket:["):
+                    owner[int(link[8:-1])] = pid
+        except OSError:  # the process ended meanwhile
+            continue
+    out = []
+    for table in ("tcp", "tcp6"):
+        with open(f"/proc/net/{table}") as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if fields[3] != "0A" or int(fields[9]) not in owner:  # 0A: LISTEN
+                    continue
+                hex_address, hex_port = fields[1].split(":")
+                raw = bytes.fromhex(hex_address)  # each 32-bit word in host (little-endian) order
+                raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+                address = ipaddress.ip_address(raw)
+                if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+                    address = address.ipv4_mapped
+                out.append((owner[int(fields[9])], address, int(hex_port, 16)))
+    return out
+
+
+def _descendants(root: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = {root}, [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in out:
+                out.add(child)
+                todo.append(child)
+    return out
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/net"), reason="reads listening sockets from Linux's /proc")
+def test_every_listener_of_a_local_fleet_is_on_loopback(fleet, replica_ids):
+    """The ingress, the GCS, the raylet, every worker (replicas included) and Ray's agents: this
+    process and everything it started listen on 127.0.0.1 only."""
+    sockets = _listening_sockets(_descendants(os.getpid()))
+    names = {pid: open(f"/proc/{pid}/comm").read().strip() for pid, _, _ in sockets if os.path.exists(f"/proc/{pid}")}
+    assert len({pid for pid, _, _ in sockets}) >= 4, sockets  # the driver, the GCS, the raylet, workers
+    assert {"gcs_server", "raylet"} <= set(names.values()), names
+    exposed = [(names.get(pid), str(address), port) for pid, address, port in sockets if not address.is_loopback]
+    assert not exposed, exposed
 
 
 def test_streaming_goes_through_end_to_end(fleet, replica_ids):

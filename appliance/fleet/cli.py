@@ -45,7 +45,7 @@ def fleet_main(args: argparse.Namespace) -> int:
 
     from .ray_env import apply_ray_env
 
-    apply_ray_env()  # before Ray Serve is imported
+    apply_ray_env(spec.loopback_only)  # before Ray is imported
     from .cluster import start_fleet, stop_fleet
     from .drain import IngressDrain
     from .ingress import build_ingress

@@ -26,8 +26,8 @@ def start_fleet(spec: FleetSpec, settings: ReplicaSettings) -> Fleet:
     from .replica import EngineReplica
 
     if spec.ray_address is None:
-        ray.init(namespace=REGISTRY_NAMESPACE, include_dashboard=spec.ray_dashboard, dashboard_host="127.0.0.1",
-                 _node_ip_address="127.0.0.1" if spec.host in ("127.0.0.1", "localhost") else None)
+        # on loopback only when spec.loopback_only (apply_ray_env, before Ray was imported)
+        ray.init(namespace=REGISTRY_NAMESPACE, include_dashboard=spec.ray_dashboard, dashboard_host="127.0.0.1")
     else:
         ray.init(address=spec.ray_address, namespace=REGISTRY_NAMESPACE)
     registry = FleetRegistry.options(name=REGISTRY_NAME, namespace=REGISTRY_NAMESPACE).remote()

@@ -8,6 +8,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from appliance.server.cli import is_loopback
+
 MAX_ONGOING_REQUESTS = 256  # per replica; the engine's own --max-waiting bound answers 429 beyond
 
 
@@ -37,6 +39,11 @@ class FleetSpec:
     ray_address: str | None
     ray_dashboard: bool
     host: str
+
+    @property
+    def loopback_only(self) -> bool:
+        """A local cluster for an ingress on loopback: every Ray listener stays on 127.0.0.1."""
+        return self.ray_address is None and is_loopback(self.host)
 
     def deployment_options(self) -> dict[str, Any]:
         """Ray Serve deployment options: a fixed replica count, or its autoscaling config."""

@@ -17,6 +17,14 @@ RAY_ENV = {
 }
 
 
-def apply_ray_env() -> None:
-    for name, value in RAY_ENV.items():
+# Ray's switch for a cluster of this one node: its node address becomes 127.0.0.1, and the GCS,
+# the raylet, every worker and the agents then listen on loopback only (otherwise ray.init turns
+# even an explicit 127.0.0.1 into the host's routable address, and they listen on every interface).
+LOOPBACK_ONLY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+
+
+def apply_ray_env(loopback_only: bool) -> None:
+    """Set RAY_ENV (and LOOPBACK_ONLY_ENV for a local cluster behind a loopback ingress) where the
+    operator has not."""
+    for name, value in {**RAY_ENV, **(LOOPBACK_ONLY_ENV if loopback_only else {})}.items():
         os.environ.setdefault(name, value)

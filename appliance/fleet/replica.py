@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import ipaddress
 import logging
 from typing import Any, AsyncIterator
 
@@ -38,10 +39,30 @@ class ReplicaSettings:
     torch_threads: int
 
 
+def _serve_grpc_on_loopback() -> None:
+    """Ray Serve (2.60) starts an inter-deployment gRPC server in every replica, bound to "[::]:0"
+    (every interface) with no setting to change it, though nothing calls it unless
+    RAY_SERVE_USE_GRPC_BY_DEFAULT=1; it would take requests for this replica past the ingress and
+    its API key. On a node whose Ray address is loopback (a local fleet, ray_env.LOOPBACK_ONLY_ENV)
+    it is bound to 127.0.0.1 instead: the one listener that Ray's settings leave on every interface
+    (tests/test_fleet.py checks them all). Runs in the replica's process before Serve starts it."""
+    from ray.serve._private import replica as serve_replica
+
+    bind = getattr(serve_replica, "add_port_to_grpc_server", None)
+    if bind is None or not ipaddress.ip_address(ray.util.get_node_ip_address()).is_loopback:
+        return
+
+    def on_loopback(server: Any, address: str) -> int:
+        return bind(server, "127.0.0.1:" + address.removeprefix("[::]:") if address.startswith("[::]:") else address)
+
+    serve_replica.add_port_to_grpc_server = on_loopback
+
+
 class EngineReplica:
     async def __init__(self, settings: ReplicaSettings) -> None:
         import torch
 
+        _serve_grpc_on_loopback()
         torch.set_num_threads(settings.torch_threads)  # replicas share the host's cores
         context = serve.get_replica_context()
         self.replica_id = f"{settings.server.replica_id}/{context.replica_id.unique_id}"[-64:]

@@ -55,7 +55,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add_fleet_arguments(parser)
 
 
-def _is_loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
+    """Whether `host` (a name or an address, IPv6 possibly in brackets) is this machine's loopback."""
     if host.lower() == "localhost":
         return True
     try:
@@ -126,7 +127,7 @@ def server_options(settings: dict[str, Any], args: argparse.Namespace) -> dict[s
             parse_spec(autopilot)
         except SpecError as exc:
             raise ValueError(f"--autopilot {autopilot!r}: {exc}") from None
-    if not _is_loopback(host) and api_key is None and not args.insecure:
+    if not is_loopback(host) and api_key is None and not args.insecure:
         raise ValueError(
             f"refusing to listen on {host} (not a loopback address) without an API key: anyone who can "
             f"reach it could use the model and change the knobs. Give --api-key KEY (or set {API_KEY_ENV}), "
