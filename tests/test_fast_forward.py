@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from appliance.engine import EngineConfig, Knobs, LLMEngine, SamplingParams
@@ -57,3 +58,57 @@ def test_packed_linear_matches_f_linear_at_any_row_count():
     residual = torch.randn(5, 96)
     assert torch.allclose(linear(strided, residual=residual), residual + torch.nn.functional.linear(strided, weight),
                           atol=1e-5, rtol=1e-5)
+
+
+def test_packed_linear_runs_plain_f_linear_up_to_its_plain_rows():
+    torch.manual_seed(0)
+    weight = torch.randn(96, 40)
+    linear = fast_llama.PackedLinear(weight, plain_rows=2)
+    linear.packed = object()  # the packed weight can no longer be used: any call that tries fails
+    for rows in (1, 2):
+        x, residual = torch.randn(rows, 40), torch.randn(rows, 96)
+        assert torch.equal(linear(x), torch.nn.functional.linear(x, weight))
+        assert torch.equal(linear(x, residual=residual), residual + torch.nn.functional.linear(x, weight))
+    with pytest.raises((TypeError, RuntimeError)):
+        linear(torch.randn(3, 40))
+
+
+@pytest.mark.parametrize("times, rows", [
+    ([1.0, 2.0, 1.0, 2.0], 2),  # BLAS wins at one and at two rows
+    ([1.0, 2.0, 1.9, 2.0], 1),  # at one row only
+    ([0.9, 1.0, 0.1, 1.0], 0),  # not by PLAIN_MARGIN at one row: two rows are not tried
+])
+def test_plain_rows_count_up_while_blas_wins_by_the_margin(times, rows):
+    linear = fast_llama.PackedLinear(torch.randn(64, 32))
+    clock = iter(times)
+
+    def timed(fns):  # runs the calls (they must work) and reports the scripted times
+        for fn in fns:
+            fn()
+        return [next(clock) for _ in fns]
+
+    assert fast_llama.faster_plain_rows(linear, timed) == rows
+    assert fast_llama.faster_plain_rows(fast_llama.PackedLinear(torch.randn(8, 8, dtype=torch.float16)), timed) == 0
+
+
+def test_the_forward_applies_its_timed_plain_rows_to_every_matmul(loaded_model):
+    forward = fast_llama.FastLlamaForward(loaded_model.model)
+    assert forward.plain_rows in (0, *fast_llama.PLAIN_ROWS_TRIED)
+    assert {lin.plain_rows for lin in forward.linears()} == {forward.plain_rows}
+    assert len(forward.linears()) == 4 * len(forward.layers) + 1
+
+
+@pytest.mark.parametrize("plain_rows", [0, 2])
+def test_one_row_decode_logits_match_transformers_either_way(loaded_model, monkeypatch, plain_rows):
+    """A decode step of one sequence (one row per matmul) through the packed call and through BLAS."""
+    monkeypatch.setattr(fast_llama, "faster_plain_rows", lambda linear, **_: plain_rows)
+    prompt = loaded_model.tokenizer.encode("One row at a time, the logits must not move.")
+    with torch.inference_mode():
+        reference = loaded_model.model(torch.tensor([prompt])).logits[0, -1].float()
+    cfg = EngineConfig(dtype="float32", device="cpu", num_blocks=64, fast_forward=True, cpu_kernels=True,
+                       knobs=Knobs(max_num_batched_tokens=64, long_prefill_token_threshold=1))
+    engine = LLMEngine(cfg, loaded=loaded_model)
+    assert engine.runner.fast.plain_rows == plain_rows
+    got = _last_logits(engine, prompt)  # one token a step: every step runs one row
+    assert torch.allclose(got, reference, atol=1e-3, rtol=1e-4), (got - reference).abs().max()
+    assert got.argmax() == reference.argmax()

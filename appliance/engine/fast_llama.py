@@ -4,10 +4,13 @@ The same weights and the same maths as transformers' LlamaForCausalLM, with the 
 framework cost cut: q/k/v and gate/up projections fused into one matmul each (the original
 Linear weights become views of the fused ones, so memory is not doubled and the transformers
 path keeps working), rotary tables computed once per step, no per-layer wrappers or kwargs
-plumbing, and the LM head applied only to the rows that sample. On the CPU every matmul runs
-through oneDNN with its weight packed once at start (`PackedLinear`, residual adds fused into
-the output projections): faster than the default BLAS call at every batch size here (1.2-2x,
-the LM head most), at the price of a packed copy of the weights. With the C kernels
+plumbing, and the LM head applied only to the rows that sample. On the CPU the matmuls run
+through oneDNN with each weight packed once at start (`PackedLinear`, residual adds fused into
+the output projections), at the price of a packed copy of the weights: 1.2-2x faster than the
+default BLAS call from a few rows on. At one or two rows some CPUs' BLAS is faster (fp32 with
+MKL on a Sapphire Rapids box: 25 vs 39 us for q/k/v at one row, a single chat decoding about
+13 % faster); the forward times both on one of the model's own weights when it is built and
+runs that many rows unpacked where BLAS wins by PLAIN_MARGIN (`plain_rows`). With the C kernels
 (cpu_kernels) the norms, the rotary embedding and the gated activation take one pass each.
 Anything else (qwen2 with biases, scaled rope, other activations, ...) goes through
 transformers' own classes; a test checks this forward's logits against transformers'.
@@ -17,6 +20,8 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -68,23 +73,62 @@ def supports(model: torch.nn.Module) -> bool:
 
 
 class PackedLinear:
-    """y = x @ W.T (+ residual), with W packed once for oneDNN on the CPU (plain F.linear elsewhere)."""
+    """y = x @ W.T (+ residual), with W packed once for oneDNN on the CPU; plain F.linear
+    elsewhere and for inputs of at most `plain_rows` rows."""
 
     BATCH_HINT = 64  # oneDNN picks the packed layout for about this many rows; any count works
 
-    def __init__(self, weight: torch.Tensor):
+    def __init__(self, weight: torch.Tensor, plain_rows: int = 0):
         self.weight = weight
+        self.plain_rows = plain_rows
         self.packed = None
         if weight.device.type == "cpu" and packing_available(weight.dtype):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), self.BATCH_HINT)
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        if self.packed is None:
+        if self.packed is None or x.shape[0] <= self.plain_rows:
             y = F.linear(x, self.weight)
             return y if residual is None else residual + y
         if residual is None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
         return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.packed, None, "add")
+
+
+PLAIN_MARGIN = 0.85  # BLAS must take at most this share of the packed call's time to be used
+PLAIN_ROWS_TRIED = (1, 2)
+
+
+def best_times(fns: Sequence[Callable[[], object]], repeats: int = 7, calls: int = 20) -> list[float]:
+    """Seconds of the best of `repeats` runs of `calls` calls of each of `fns`, the runs of the
+    functions alternating (so a change of the machine's speed hits all alike), after a warm-up."""
+    for fn in fns:
+        fn()
+    best = [float("inf")] * len(fns)
+    for _ in range(repeats):
+        for i, fn in enumerate(fns):
+            t = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            best[i] = min(best[i], time.perf_counter() - t)
+    return best
+
+
+def faster_plain_rows(linear: PackedLinear, timed: Callable[[Sequence[Callable[[], object]]], list[float]] = best_times) -> int:
+    """The most rows (of PLAIN_ROWS_TRIED, counting up while BLAS keeps winning) at which plain
+    F.linear took at most PLAIN_MARGIN of the packed call's time on `linear`'s weight, `timed` now
+    in this thread; 0 when the weight is not packed."""
+    if linear.packed is None:
+        return 0
+    rows_won = 0
+    with torch.inference_mode():
+        for rows in PLAIN_ROWS_TRIED:
+            x = torch.randn(rows, linear.weight.shape[1], dtype=linear.weight.dtype)
+            plain, packed = timed([lambda: F.linear(x, linear.weight),
+                                   lambda: torch.ops.mkldnn._linear_pointwise(x, linear.packed, None, "none", [], "")])
+            if plain > PLAIN_MARGIN * packed:
+                break
+            rows_won = rows
+    return rows_won
 
 
 def _fuse(linears: list[torch.nn.Linear]) -> torch.Tensor:
@@ -138,6 +182,16 @@ class FastLlamaForward:
         self.num_kv_heads = cfg.num_key_value_heads
         self.lm_head = PackedLinear(model.lm_head.weight)
         self.kernels = kernels  # the runner passes them only for a dtype and device they support
+        self.plain_rows = faster_plain_rows(self.layers[0].gate_up) if self.layers else 0
+        for linear in self.linears():
+            linear.plain_rows = self.plain_rows
+        if self.plain_rows:
+            log.info("matmuls of at most %d row(s) run unpacked (BLAS beat the packed call on this CPU)",
+                     self.plain_rows)
+
+    def linears(self) -> list[PackedLinear]:
+        """Every matmul of the forward (the layers' projections and the LM head)."""
+        return [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [self.lm_head]
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return self.kernels.rms_norm(x, weight, eps) if self.kernels else _rms_norm(x, weight, eps)
