@@ -41,11 +41,12 @@ class ReplicaSettings:
 
 def _serve_grpc_on_loopback() -> None:
     """Ray Serve (2.60) starts an inter-deployment gRPC server in every replica, bound to "[::]:0"
-    (every interface) with no setting to change it, though nothing calls it unless
-    RAY_SERVE_USE_GRPC_BY_DEFAULT=1; it would take requests for this replica past the ingress and
-    its API key. On a node whose Ray address is loopback (a local fleet, ray_env.LOOPBACK_ONLY_ENV)
-    it is bound to 127.0.0.1 instead: the one listener that Ray's settings leave on every interface
-    (tests/test_fleet.py checks them all). Runs in the replica's process before Serve starts it."""
+    (every interface) with no setting to change it; the ingress's handle calls the replica through
+    it (ray_env: RAY_SERVE_USE_GRPC_BY_DEFAULT), and on every interface it would take requests for
+    this replica past the ingress and its API key. On a node whose Ray address is loopback (a local
+    fleet, ray_env.LOOPBACK_ONLY_ENV) it is bound to 127.0.0.1 instead, where the handle finds it:
+    the one listener that Ray's settings leave on every interface (tests/test_fleet.py checks them
+    all). Runs in the replica's process before Serve starts the server."""
     from ray.serve._private import replica as serve_replica
 
     bind = getattr(serve_replica, "add_port_to_grpc_server", None)
