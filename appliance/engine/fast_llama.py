@@ -90,8 +90,12 @@ class PackedLinear:
             y = F.linear(x, self.weight)
             return y if residual is None else residual + y
         if residual is None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+            return self.packed_matmul(x)
         return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.packed, None, "add")
+
+    def packed_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W.T through the packed weight, whatever the row count."""
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
 
 
 PLAIN_MARGIN = 0.85  # BLAS must take at most this share of the packed call's time to be used
@@ -123,8 +127,7 @@ def faster_plain_rows(linear: PackedLinear, timed: Callable[[Sequence[Callable[[
     with torch.inference_mode():
         for rows in PLAIN_ROWS_TRIED:
             x = torch.randn(rows, linear.weight.shape[1], dtype=linear.weight.dtype)
-            plain, packed = timed([lambda: F.linear(x, linear.weight),
-                                   lambda: torch.ops.mkldnn._linear_pointwise(x, linear.packed, None, "none", [], "")])
+            plain, packed = timed([lambda: F.linear(x, linear.weight), lambda: linear.packed_matmul(x)])
             if plain > PLAIN_MARGIN * packed:
                 break
             rows_won = rows

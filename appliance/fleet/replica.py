@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import ipaddress
 import logging
 from typing import Any, AsyncIterator
 
@@ -21,6 +20,7 @@ from ray import serve
 
 from ..engine import AsyncEngine, EngineConfig, LLMEngine
 from ..server.app import build_app
+from ..server.cli import is_loopback
 from ..server.state import AppState, ServerConfig
 from .bridge import ForwardedRequest, ResponseStart, asgi_buffered, asgi_request
 from .registry import REGISTRY_NAME, REGISTRY_NAMESPACE
@@ -50,7 +50,7 @@ def _serve_grpc_on_loopback() -> None:
     from ray.serve._private import replica as serve_replica
 
     bind = getattr(serve_replica, "add_port_to_grpc_server", None)
-    if bind is None or not ipaddress.ip_address(ray.util.get_node_ip_address()).is_loopback:
+    if bind is None or not is_loopback(ray.util.get_node_ip_address()):
         return
 
     def on_loopback(server: Any, address: str) -> int:
