@@ -1,7 +1,9 @@
 """The fleet (`appliance serve --replicas N`): two engine replicas on a local Ray Serve cluster
 (127.0.0.1, CPU, the default model) behind the ingress, driven with the `openai` client.
 
-One Ray cluster for this module: started by the `fleet` fixture, stopped at its end."""
+One Ray cluster for this module: started by the `fleet` fixture, stopped at its end. A second
+fleet (`joined`, an `appliance serve --ray-address` process with a PostgreSQL store) joins that
+cluster rather than starting one."""
 
 from __future__ import annotations
 
@@ -33,8 +35,13 @@ PROMPTS = [f"Name {n} things that are {colour}." for n in (2, 3) for colour in (
 
 def _args(**flags) -> argparse.Namespace:
     base = dict(replicas=2, ray_address=None, min_replicas=None, max_replicas=None, target_ongoing_requests=None,
-                replica_num_cpus=None, ray_dashboard=False)
+                upscale_delay_s=None, downscale_delay_s=None, replica_num_cpus=None, ray_dashboard=False)
     return argparse.Namespace(**{**base, **flags})
+
+
+def _server(**options) -> dict:
+    """The validated server options fleet_spec reads (appliance.server.cli.server_options)."""
+    return {"db": None, "host": "127.0.0.1", "replica_id": "host:8000", **options}
 
 
 # -- without Ray ------------------------------------------------------------------------------------
@@ -47,10 +54,10 @@ def test_single_process_serve_does_not_import_ray():
 
 def test_sqlite_refused_when_replicas_may_be_on_other_hosts():
     with pytest.raises(ValueError, match="PostgreSQL URL"):
-        fleet_spec(_args(ray_address="10.0.0.5:6379"), {"db": "sqlite:///appliance.db", "host": "127.0.0.1"})
-    spec = fleet_spec(_args(ray_address="10.0.0.5:6379"), {"db": "postgresql+psycopg://u@h/d", "host": "127.0.0.1"})
+        fleet_spec(_args(ray_address="10.0.0.5:6379"), _server(db="sqlite:///appliance.db"))
+    spec = fleet_spec(_args(ray_address="10.0.0.5:6379"), _server(db="postgresql+psycopg://u@h/d"))
     assert spec.ray_address == "10.0.0.5:6379"
-    assert fleet_spec(_args(), {"db": "sqlite:///appliance.db", "host": "127.0.0.1"}).replicas == 2
+    assert fleet_spec(_args(), _server(db="sqlite:///appliance.db")).replicas == 2
 
 
 @pytest.mark.parametrize("flags, named", [
@@ -59,25 +66,38 @@ def test_sqlite_refused_when_replicas_may_be_on_other_hosts():
     (dict(replicas=1, min_replicas=2), "--min-replicas"),
     (dict(target_ongoing_requests=0.0), "--target-ongoing-requests"),
     (dict(replica_num_cpus=-1.0), "--replica-num-cpus"),
+    (dict(upscale_delay_s=-1.0), "--upscale-delay-s"),
+    (dict(downscale_delay_s=float("nan")), "--downscale-delay-s"),
 ])
 def test_bad_fleet_flags_are_named(flags, named):
     with pytest.raises(ValueError, match=named):
-        fleet_spec(_args(**flags), {"db": None, "host": "127.0.0.1"})
+        fleet_spec(_args(**flags), _server())
 
 
 def test_autopilot_with_replicas_is_refused_by_name():
     with pytest.raises(ValueError, match="--autopilot"):
-        fleet_spec(_args(), {"db": None, "host": "127.0.0.1", "autopilot": "ttft_p99=1s"})
+        fleet_spec(_args(), _server(autopilot="ttft_p99=1s"))
 
 
 def test_autoscaling_flags_map_to_ray_serve_names():
     spec = fleet_spec(_args(replicas=2, min_replicas=1, max_replicas=3, target_ongoing_requests=4.0,
-                            replica_num_cpus=0.5), {"db": None, "host": "127.0.0.1"})
+                            replica_num_cpus=0.5), _server())
     options = spec.deployment_options()
     assert options["autoscaling_config"] == {"initial_replicas": 2, "min_replicas": 1, "max_replicas": 3,
                                              "target_ongoing_requests": 4.0}
     assert options["ray_actor_options"] == {"num_cpus": 0.5} and "num_replicas" not in options
     assert spec.torch_threads == 1
+    delays = fleet_spec(_args(replicas=1, upscale_delay_s=0.0, downscale_delay_s=5.0), _server())
+    assert delays.deployment_options()["autoscaling_config"] == {
+        "initial_replicas": 1, "min_replicas": 1, "max_replicas": 1, "upscale_delay_s": 0.0, "downscale_delay_s": 5.0}
+    assert fleet_spec(_args(), _server()).deployment_options()["num_replicas"] == 2
+
+
+def test_each_fleet_id_names_its_own_serve_application_and_registry():
+    """Fleets sharing one Ray cluster (--ray-address) must not replace each other's."""
+    one, other = (fleet_spec(_args(), _server(replica_id=rid)) for rid in ("host-a:8000", "host-b:8000"))
+    assert one.app_name == "appliance-host-a-8000" and one.registry_name == "appliance-registry-host-a-8000"
+    assert one.app_name != other.app_name and one.registry_name != other.registry_name
 
 
 # -- a fleet of two replicas ----------------------------------------------------------------------
@@ -92,7 +112,7 @@ def fleet(tmp_path_factory):
 
     db_url = f"sqlite:///{tmp_path_factory.mktemp('fleet') / 'telemetry.db'}"
     store.upgrade(db_url)
-    spec = fleet_spec(_args(replicas=2, replica_num_cpus=0.5), {"db": db_url, "host": "127.0.0.1"})
+    spec = fleet_spec(_args(replicas=2, replica_num_cpus=0.5), _server(db=db_url, replica_id="fleet-test"))
     settings = ReplicaSettings(
         engine=EngineConfig(model=TEST_MODEL, dtype="float32", device=TEST_DEVICE, num_blocks=256),
         server=ServerConfig(replica_id="fleet-test", db_url=db_url), max_waiting=None, db_url=db_url,
@@ -100,7 +120,7 @@ def fleet(tmp_path_factory):
     fleet = start_fleet(spec, settings)
     try:
         with run_app(build_ingress(fleet)) as url:
-            fleet.base_url, fleet.db_url = url, db_url
+            fleet.base_url, fleet.db_url, fleet.spec = url, db_url, spec
             yield fleet
     finally:
         stop_fleet(spec)
@@ -125,10 +145,10 @@ def _chat(client: openai.OpenAI, prompt: str) -> tuple[str, str]:
     return raw.parse().choices[0].message.content, raw.headers.get(REPLICA_HEADER, "")
 
 
-def test_concurrent_requests_match_one_engine_and_use_both_replicas(fleet, live_server, replica_ids):
+def test_32_concurrent_requests_match_one_engine_and_use_both_replicas(fleet, live_server, replica_ids):
     fleet_client = openai.OpenAI(base_url=f"{fleet.base_url}/v1", api_key="unused", max_retries=0, timeout=300)
     one_client = openai.OpenAI(base_url=f"{live_server.base_url}/v1", api_key="unused", max_retries=0, timeout=300)
-    requests = PROMPTS * 2  # 16 concurrent
+    requests = PROMPTS * 4  # 32 concurrent
     with ThreadPoolExecutor(len(requests)) as pool:
         answers = list(pool.map(lambda p: _chat(fleet_client, p), requests))
     expected = {p: _chat(one_client, p)[0] for p in PROMPTS}
@@ -427,9 +447,21 @@ def _wait_for_replicas(http: httpx.Client, count: int, without: str, timeout_s: 
         time.sleep(1.0)
 
 
+def _stored(db_url: str, query: str) -> list[tuple]:
+    from sqlalchemy import create_engine, text
+
+    engine = create_engine(db_url)
+    try:
+        with engine.connect() as conn:
+            return [tuple(row) for row in conn.execute(text(query))]
+    finally:
+        engine.dispose()
+
+
 def test_replica_killed_mid_stream(fleet, http, replica_ids):
     """Its streams end with an OpenAI error (no hang), the other replica's streams finish, Ray Serve
-    starts a replacement, and the replacement takes the fleet's knobs."""
+    starts a replacement, and the replacement takes the fleet's knobs. Nothing the store held is
+    lost: the killed replica's rows stay, and every stream the other replica finished is stored."""
     import ray
 
     client = openai.OpenAI(base_url=f"{fleet.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
@@ -445,19 +477,170 @@ def test_replica_killed_mid_stream(fleet, http, replica_ids):
             next(iter(stream))  # generating
             streams.append((raw.headers[REPLICA_HEADER], stream))
         victim = streams[0][0]
-        ray.kill(ray.get_actor(f"SERVE_REPLICA::appliance#engine#{victim.rsplit('/', 1)[1]}", namespace="serve"),
-                 no_restart=True)
+        rows_of_victim = f"SELECT count(*) FROM iterations WHERE replica_id = '{victim}'"
+        deadline = time.monotonic() + 30
+        while (kept := _stored(fleet.db_url, rows_of_victim)[0][0]) == 0:  # its writer flushes on an interval
+            assert time.monotonic() < deadline, "the replica stored no iteration while streaming"
+            time.sleep(0.2)
+        actor = f"SERVE_REPLICA::{fleet.spec.app_name}#engine#{victim.rsplit('/', 1)[1]}"
+        ray.kill(ray.get_actor(actor, namespace="serve"), no_restart=True)
+        finished = set()
         for replica, stream in streams:
             if replica == victim:
                 with pytest.raises(openai.APIError, match="lost"):
                     list(stream)
             else:
-                assert sum(1 for c in stream if c.choices and c.choices[0].delta.content) > 100
+                chunks = list(stream)
+                assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) > 100
+                finished.add(chunks[0].id)
         text, served_by = _chat(client, PROMPTS[0])  # the fleet keeps serving
         assert text and served_by != victim
         ids = _wait_for_replicas(http, 2, without=victim)
         (new,) = set(ids) - set(replica_ids)
         knobs = http.get("/admin/knobs", params={"replica": new}).json()["replicas"][new]["knobs"]
         assert knobs["max_num_seqs"] == seqs - 3
+        assert _stored(fleet.db_url, rows_of_victim)[0][0] >= kept
+        deadline = time.monotonic() + 30
+        while not finished <= {r for (r,) in _stored(fleet.db_url, "SELECT request_id FROM requests")}:
+            assert time.monotonic() < deadline, "a finished stream never reached the store"
+            time.sleep(0.2)
     finally:
         assert http.patch("/admin/knobs", json={"max_num_seqs": seqs}).status_code == 200
+
+
+# -- a second fleet that joins this cluster by address ----------------------------------------------
+JOINED_ID = "joined"
+
+
+@pytest.fixture(scope="module")
+def joined(fleet, tmp_path_factory):
+    """`appliance serve --replicas 1 --ray-address ADDR` as an operator runs it: a process of its
+    own that joins the module's running cluster (no second one), with Ray Serve autoscaling
+    between 1 and 2 replicas and a PostgreSQL store (as --ray-address requires)."""
+    import ray
+    from ray import serve
+
+    from conftest import ServerProcess, free_port
+    from pg_server import postgres_server
+
+    with postgres_server() as pg:
+        port = free_port()
+        log_path = tmp_path_factory.mktemp("joined") / "serve.log"
+        cmd = [sys.executable, "-m", "appliance.cli", "serve", "--dtype", "float32", "--device", "cpu",
+               "--port", str(port), "--no-dashboard", "--replica-id", JOINED_ID, "--db", pg.url,
+               "--ray-address", ray.get_runtime_context().gcs_address, "--replicas", "1", "--min-replicas", "1",
+               "--max-replicas", "2", "--target-ongoing-requests", "1", "--upscale-delay-s", "0",
+               "--downscale-delay-s", "5", "--replica-num-cpus", "0.25"]
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=log_path.parent,
+                                    env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        server = ServerProcess(proc, f"http://127.0.0.1:{port}", log_path)
+        server.pg = pg
+        server.app_name = fleet_spec(_args(replicas=1), _server(replica_id=JOINED_ID)).app_name
+        try:
+            server.wait_ready(timeout=300)
+            yield server
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(30)
+                serve.delete(server.app_name)  # what its own stop would have done
+
+
+def test_a_fleet_joins_a_running_cluster_by_address(fleet, joined):
+    """Its replica runs in the module's cluster (one node, both applications in one Ray Serve),
+    and it started no Ray process of its own."""
+    import ray
+    from ray import serve
+
+    with httpx.Client(base_url=joined.base_url, timeout=120) as http:
+        (replica,) = http.get("/health").json()["replicas"]
+        response = http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 4})
+    assert response.status_code == 200, response.text
+    assert replica.startswith(f"{JOINED_ID}/") and response.headers[REPLICA_HEADER] == replica
+    assert len([node for node in ray.nodes() if node["Alive"]]) == 1
+    assert {fleet.spec.app_name, joined.app_name} <= set(serve.status().applications)
+    started = {open(f"/proc/{pid}/comm").read().strip() for pid in _descendants(joined.proc.pid) - {joined.proc.pid}
+               if os.path.exists(f"/proc/{pid}/comm")}
+    assert not started & {"gcs_server", "raylet"}, started
+
+
+def _fleet_sizes(db_url: str, fleet_id: str) -> list[int]:
+    from appliance.telemetry import fleet_sizes
+
+    return [n for _, n in fleet_sizes.series(db_url, fleet_id, 0.0, time.time() + 1)]
+
+
+def test_ray_serve_autoscales_the_fleet_with_its_load(joined):
+    """Four clients streaming at once against a target of one ongoing request per replica: Serve
+    adds the second replica (--max-replicas 2); idle again, it goes back to one (--min-replicas).
+    The fleet-size series in the store follows."""
+    import threading
+
+    stop = threading.Event()
+
+    def keep_streaming() -> list[str]:
+        """Streams one after another until told to stop; what went wrong with any of them."""
+        faults = []
+        with httpx.Client(base_url=joined.base_url, timeout=120) as http:
+            while not stop.is_set():
+                with http.stream("POST", "/v1/completions", json={
+                        "prompt": "Count slowly.", "max_tokens": 48, "ignore_eos": True, "stream": True}) as r:
+                    lines = [line for line in r.iter_lines() if line]
+                if r.status_code != 200 or lines[-1:] != ["data: [DONE]"] or any('"error"' in x for x in lines):
+                    faults.append(f"{r.status_code}: {lines[-2:]}")
+        return faults
+
+    with httpx.Client(base_url=joined.base_url, timeout=120) as http, ThreadPoolExecutor(4) as pool:
+        loads = [pool.submit(keep_streaming) for _ in range(4)]
+        try:
+            _wait_for_replicas(http, 2, without="", timeout_s=240)
+        finally:
+            stop.set()
+        faults = [fault for load in loads for fault in load.result(timeout=120)]
+        assert not faults, faults  # every stream ended well, scaling included
+        _wait_for_replicas(http, 1, without="", timeout_s=180)
+    deadline = time.monotonic() + 30
+    while (sizes := _fleet_sizes(joined.pg.url, JOINED_ID))[-1:] != [1] or 2 not in sizes:
+        assert time.monotonic() < deadline, sizes
+        time.sleep(0.5)
+    assert 1 in sizes[:sizes.index(2)], sizes  # one replica, then two, then one again
+
+
+def test_the_fleet_serves_with_its_store_down_and_stores_again_after(joined):
+    """As on one box: PostgreSQL stopped, requests are answered as before; started again, the
+    writers' retries store the requests served after it came back."""
+    def complete(http: httpx.Client) -> str:
+        response = http.post("/v1/completions", json={"prompt": "Tell me about the sea.", "max_tokens": 6,
+                                                      "ignore_eos": True})
+        assert response.status_code == 200, response.text
+        return response.json()["id"]
+
+    with httpx.Client(base_url=joined.base_url, timeout=120) as http:
+        joined.pg.stop()
+        try:
+            for _ in range(4):
+                complete(http)
+            assert http.get("/health").status_code == 200
+        finally:
+            assert joined.pg.start() is None
+        after = {complete(http) for _ in range(2)}
+    deadline = time.monotonic() + 60
+    while not after <= {r for (r,) in _stored(joined.pg.url, "SELECT request_id FROM requests")}:
+        assert time.monotonic() < deadline, "writing did not resume after the store came back"
+        time.sleep(0.5)
+
+
+def test_a_joined_fleet_leaves_the_cluster_as_it_found_it(fleet, joined):
+    """SIGTERM: it drains, deletes its own application and exits 0; the cluster and the module's
+    fleet serve on."""
+    import signal
+
+    from ray import serve
+
+    joined.proc.send_signal(signal.SIGTERM)
+    assert joined.proc.wait(120) == 0, joined.log()[-3000:]
+    assert joined.app_name not in serve.status().applications
+    assert fleet.spec.app_name in serve.status().applications
+    client = openai.OpenAI(base_url=f"{fleet.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    assert _chat(client, PROMPTS[0])[0]

@@ -62,6 +62,7 @@ def test_markdown_holds_the_store_numbers(stored, ids):
         run = runs.get_run(stored.db, run_id)
         summary = run["summary"]["summary"]
         assert f"**Run id**: {run_id}" in section
+        assert f"- **Served by**: 1 replica: {REPLICA} {summary['completed']} (completed requests each)" in section
         for metric, label in LABELS.items():
             d = summary[metric]
             row = f"| {label} | {d['count']} | " + " | ".join(ms(d[s]) for s in ("mean", "p50", "p90", "p99", "max"))

@@ -1,20 +1,12 @@
 """The telemetry store on a real PostgreSQL server: migrations, two replicas writing to one
 database, and queries that keep them apart.
 
-The fixture starts a throwaway cluster (initdb + pg_ctl as the `postgres` OS user when run as
-root) on a free 127.0.0.1 port, or uses $APPLIANCE_TEST_PG_URL when set; it is skipped, with
-the reason, only when no server can be started here."""
+The fixture starts a throwaway server (tests/pg_server.py), or uses $APPLIANCE_TEST_PG_URL when
+set; it is skipped, with the reason, only when no server can be started here."""
 
 from __future__ import annotations
 
-import glob
 import os
-import pwd
-import shutil
-import signal
-import socket
-import subprocess
-import tempfile
 import time
 from collections.abc import Iterator
 
@@ -28,15 +20,10 @@ from appliance.telemetry import queries, runs, store
 from appliance.telemetry.models import Base
 from appliance.telemetry.writer import TelemetryWriter
 
+from pg_server import postgres_server
 from records_factory import iteration
 
 pytestmark = pytest.mark.postgres
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -44,88 +31,8 @@ def pg_url() -> Iterator[str]:
     if os.environ.get("APPLIANCE_TEST_PG_URL"):
         yield os.environ["APPLIANCE_TEST_PG_URL"]
         return
-    bindirs = sorted(glob.glob("/usr/lib/postgresql/*/bin"))
-    if not bindirs:
-        pytest.skip("no PostgreSQL binaries under /usr/lib/postgresql/*/bin and APPLIANCE_TEST_PG_URL unset")
-    bindir = bindirs[-1]
-    prefix: list[str] = []
-    if os.geteuid() == 0:  # initdb refuses to run as root
-        try:
-            pwd.getpwnam("postgres")
-        except KeyError:
-            pytest.skip("running as root and there is no `postgres` OS user to run initdb as")
-        prefix = ["runuser", "-u", "postgres", "--"]
-    root = tempfile.mkdtemp(prefix="appliance-pg-")
-    data = os.path.join(root, "data")
-    if prefix:
-        shutil.chown(root, "postgres")
-    port = _free_port()
-    pid = None
-    try:
-        init = subprocess.run(
-            [*prefix, f"{bindir}/initdb", "-D", data, "-U", "postgres", "--auth=trust", "-E", "UTF8"],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        if init.returncode != 0:
-            pytest.skip(f"initdb failed: {init.stderr.strip()[-500:]}")
-        start = subprocess.run(
-            [
-                *prefix,
-                f"{bindir}/pg_ctl",
-                "-D",
-                data,
-                "-l",
-                os.path.join(root, "log"),
-                "-w",
-                "-t",
-                "60",
-                "-o",
-                f"-p {port} -c listen_addresses=127.0.0.1 -c unix_socket_directories={root} -c fsync=off",
-                "start",
-            ],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        if start.returncode != 0:
-            log = (
-                open(os.path.join(root, "log")).read()[-500:]
-                if os.path.exists(os.path.join(root, "log"))
-                else ""
-            )
-            pytest.skip(f"pg_ctl start failed: {start.stderr.strip()[-300:]} {log}")
-        with open(os.path.join(data, "postmaster.pid")) as f:
-            pid = int(f.readline())
-        subprocess.run(
-            [
-                *prefix,
-                f"{bindir}/createdb",
-                "-h",
-                "127.0.0.1",
-                "-p",
-                str(port),
-                "-U",
-                "postgres",
-                "appliance",
-            ],
-            check=True,
-            capture_output=True,
-            timeout=60,
-        )
-        yield f"postgresql+psycopg://postgres@127.0.0.1:{port}/appliance"
-    finally:
-        if pid is not None:
-            os.kill(pid, signal.SIGINT)  # fast shutdown
-            deadline = time.monotonic() + 30
-            while time.monotonic() < deadline:
-                try:
-                    os.kill(pid, 0)
-                except ProcessLookupError:
-                    break
-                time.sleep(0.1)
-        shutil.rmtree(root, ignore_errors=True)
+    with postgres_server() as server:
+        yield server.url
 
 
 @pytest.fixture()

@@ -1,5 +1,6 @@
 """Start and stop the fleet on Ray: the cluster (local on 127.0.0.1, or joined by address), the
-registry actor and the Ray Serve application of engine replicas."""
+registry actor and the Ray Serve application of engine replicas (both named by the fleet's id,
+FleetSpec.app_name and .registry_name, so fleets sharing a cluster leave each other alone)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ from .replica import ReplicaSettings
 
 log = logging.getLogger(__name__)
 
-APP_NAME = "appliance"
 DEPLOYMENT_NAME = "engine"
 
 
@@ -22,7 +22,7 @@ def start_fleet(spec: FleetSpec, settings: ReplicaSettings) -> Fleet:
     from ray import serve
     from ray.serve.config import ProxyLocation
 
-    from .registry import REGISTRY_NAME, REGISTRY_NAMESPACE, FleetRegistry
+    from .registry import REGISTRY_NAMESPACE, FleetRegistry
     from .replica import EngineReplica
 
     if spec.ray_address is None:
@@ -30,17 +30,18 @@ def start_fleet(spec: FleetSpec, settings: ReplicaSettings) -> Fleet:
         ray.init(namespace=REGISTRY_NAMESPACE, include_dashboard=spec.ray_dashboard, dashboard_host="127.0.0.1")
     else:
         ray.init(address=spec.ray_address, namespace=REGISTRY_NAMESPACE)
-    registry = FleetRegistry.options(name=REGISTRY_NAME, namespace=REGISTRY_NAMESPACE).remote()
+    registry = FleetRegistry.options(name=spec.registry_name, namespace=REGISTRY_NAMESPACE).remote()
     serve.start(proxy_location=ProxyLocation.Disabled)
     deployment = serve.deployment(EngineReplica).options(name=DEPLOYMENT_NAME, **spec.deployment_options())
     log.info("starting %d replica(s) on Ray Serve (%.2f CPU, %d torch thread(s) each)", spec.replicas,
              spec.num_cpus, spec.torch_threads)
-    handle = serve.run(deployment.bind(settings), name=APP_NAME, route_prefix=None)
+    handle = serve.run(deployment.bind(settings, spec.registry_name), name=spec.app_name, route_prefix=None)
     return Fleet(handle=handle, registry=registry, config=settings.server)
 
 
 def stop_fleet(spec: FleetSpec) -> None:
-    """Stop the replicas (each flushes its telemetry) and leave Ray; a local cluster stops too."""
+    """Stop the replicas (each flushes its telemetry) and leave Ray; a local cluster stops too, a
+    joined one keeps everything but this fleet's application."""
     import ray
     from ray import serve
 
@@ -48,6 +49,6 @@ def stop_fleet(spec: FleetSpec) -> None:
         if spec.ray_address is None:
             serve.shutdown()
         else:
-            serve.delete(APP_NAME)
+            serve.delete(spec.app_name)
     finally:
         ray.shutdown()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +24,10 @@ def add_fleet_arguments(parser: argparse.ArgumentParser) -> None:
     fleet.add_argument("--max-replicas", type=int, default=None, help="Ray Serve autoscaling: most replicas")
     fleet.add_argument("--target-ongoing-requests", type=float, default=None,
                        help="Ray Serve autoscaling: ongoing requests per replica it aims for")
+    fleet.add_argument("--upscale-delay-s", type=float, default=None,
+                       help="Ray Serve autoscaling: how long it wants more replicas before adding one (Serve: 30)")
+    fleet.add_argument("--downscale-delay-s", type=float, default=None,
+                       help="Ray Serve autoscaling: how long it wants fewer replicas before removing one (Serve: 600)")
     fleet.add_argument("--replica-num-cpus", type=float, default=None,
                        help="Ray CPUs each replica reserves (default: this host's cores / max replicas)")
     fleet.add_argument("--ray-dashboard", action="store_true", help="start Ray's own dashboard (off by default)")
@@ -34,11 +39,30 @@ class FleetSpec:
     min_replicas: int | None
     max_replicas: int | None
     target_ongoing_requests: float | None
+    upscale_delay_s: float | None
+    downscale_delay_s: float | None
     num_cpus: float  # reserved per replica
     torch_threads: int  # per replica
     ray_address: str | None
     ray_dashboard: bool
     host: str
+    fleet_id: str  # the fleet's --replica-id; names its Ray Serve application and registry actor
+
+    @property
+    def app_name(self) -> str:
+        """The Ray Serve application of this fleet: one per fleet id, so fleets sharing a cluster
+        (--ray-address) leave each other alone."""
+        return "appliance-" + _slug(self.fleet_id)
+
+    @property
+    def registry_name(self) -> str:
+        """The named Ray actor of this fleet's registry (appliance.fleet.registry)."""
+        return "appliance-registry-" + _slug(self.fleet_id)
+
+    @property
+    def autoscaling(self) -> bool:
+        return any(v is not None for v in (self.min_replicas, self.max_replicas, self.target_ongoing_requests,
+                                           self.upscale_delay_s, self.downscale_delay_s))
 
     @property
     def loopback_only(self) -> bool:
@@ -49,17 +73,22 @@ class FleetSpec:
         """Ray Serve deployment options: a fixed replica count, or its autoscaling config."""
         options: dict[str, Any] = {"ray_actor_options": {"num_cpus": self.num_cpus},
                                    "max_ongoing_requests": MAX_ONGOING_REQUESTS}
-        if self.min_replicas is None and self.max_replicas is None and self.target_ongoing_requests is None:
+        if not self.autoscaling:
             options["num_replicas"] = self.replicas
             return options
         autoscaling: dict[str, Any] = {"initial_replicas": self.replicas,
                                        "min_replicas": self.min_replicas if self.min_replicas is not None else 1,
                                        "max_replicas": self.max_replicas if self.max_replicas is not None
                                        else self.replicas}
-        if self.target_ongoing_requests is not None:
-            autoscaling["target_ongoing_requests"] = self.target_ongoing_requests
+        for name in ("target_ongoing_requests", "upscale_delay_s", "downscale_delay_s"):
+            if getattr(self, name) is not None:
+                autoscaling[name] = getattr(self, name)
         options["autoscaling_config"] = autoscaling
         return options
+
+
+def _slug(fleet_id: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", fleet_id)
 
 
 def _positive_int(name: str, value: Any) -> int:
@@ -79,6 +108,10 @@ def fleet_spec(args: argparse.Namespace, server: dict[str, Any]) -> FleetSpec:
     target = args.target_ongoing_requests
     if target is not None and (not math.isfinite(target) or target <= 0):
         raise ValueError(f"--target-ongoing-requests must be a number > 0, got {target!r}")
+    for flag in ("upscale-delay-s", "downscale-delay-s"):
+        delay = getattr(args, flag.replace("-", "_"))
+        if delay is not None and (not math.isfinite(delay) or delay < 0):
+            raise ValueError(f"--{flag} must be a number of seconds >= 0, got {delay!r}")
     if args.ray_address is not None and not args.ray_address.strip():
         raise ValueError("--ray-address must be a Ray cluster address such as 10.0.0.5:6379")
     cpus = args.replica_num_cpus
@@ -96,5 +129,6 @@ def fleet_spec(args: argparse.Namespace, server: dict[str, Any]) -> FleetSpec:
             "hosts, where that file is not: give one store the whole fleet reaches, a PostgreSQL URL such as "
             "--db postgresql+psycopg://USER:PASSWORD@HOST/DB (or --no-telemetry)")
     return FleetSpec(replicas=replicas, min_replicas=low, max_replicas=high, target_ongoing_requests=target,
+                     upscale_delay_s=args.upscale_delay_s, downscale_delay_s=args.downscale_delay_s,
                      num_cpus=cpus, torch_threads=max(1, math.floor(cpus)), ray_address=args.ray_address,
-                     ray_dashboard=args.ray_dashboard, host=server["host"])
+                     ray_dashboard=args.ray_dashboard, host=server["host"], fleet_id=server["replica_id"])

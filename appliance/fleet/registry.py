@@ -19,7 +19,6 @@ import ray
 
 from .bridge import BufferedResponse, ForwardedRequest
 
-REGISTRY_NAME = "appliance-fleet-registry"
 REGISTRY_NAMESPACE = "appliance"
 POLL_WAIT_S = 1.0
 STALE_AFTER_S = 3.0 * POLL_WAIT_S

@@ -23,7 +23,7 @@ from ..server.app import build_app
 from ..server.cli import is_loopback
 from ..server.state import AppState, ServerConfig
 from .bridge import ForwardedRequest, ResponseStart, asgi_buffered, asgi_request
-from .registry import REGISTRY_NAME, REGISTRY_NAMESPACE
+from .registry import REGISTRY_NAMESPACE
 
 log = logging.getLogger(__name__)
 
@@ -60,14 +60,14 @@ def _serve_grpc_on_loopback() -> None:
 
 
 class EngineReplica:
-    async def __init__(self, settings: ReplicaSettings) -> None:
+    async def __init__(self, settings: ReplicaSettings, registry_name: str) -> None:
         import torch
 
         _serve_grpc_on_loopback()
         torch.set_num_threads(settings.torch_threads)  # replicas share the host's cores
         context = serve.get_replica_context()
         self.replica_id = f"{settings.server.replica_id}/{context.replica_id.unique_id}"[-64:]
-        self.registry = ray.get_actor(REGISTRY_NAME, namespace=REGISTRY_NAMESPACE)
+        self.registry = ray.get_actor(registry_name, namespace=REGISTRY_NAMESPACE)
         fleet_knobs: dict[str, Any] = {}
 
         def build_engine() -> LLMEngine:  # on the engine's own loop thread (AsyncEngine.build)
