@@ -287,6 +287,45 @@ def test_every_listener_of_a_local_fleet_is_on_loopback(fleet, replica_ids):
     assert not exposed, exposed
 
 
+def _cmdline(pid: int) -> list[str]:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return f.read().decode(errors="replace").split("\0")
+
+
+def _environ(pid: int) -> dict[str, str]:
+    """The environment `pid` started with; empty for a process that is exiting (or exited)."""
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        pairs = [item.split("=", 1) for item in f.read().decode(errors="replace").split("\0") if "=" in item]
+    return dict(pairs)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/net"), reason="reads processes from Linux's /proc")
+def test_ray_runs_with_usage_reports_and_its_dashboard_off(fleet, replica_ids):
+    """Offline by default: Ray's processes (the GCS, the raylet, the dashboard process that would
+    send usage reports, its monitors) and its workers run with usage reporting off, and Ray's
+    dashboard process runs without its web frontend (what `ray.init(include_dashboard=False)`
+    keeps). Workers rename themselves over their environment's memory (`ray::...`), so a worker
+    is asked through Ray for its own."""
+    import ray
+
+    commands: dict[int, list[str]] = {}
+    for pid in _descendants(os.getpid()) - {os.getpid()}:
+        try:
+            command = _cmdline(pid)
+            if command[0].startswith("/") and any("/ray/" in part for part in command[:2]):
+                commands[pid] = command
+        except (OSError, IndexError):  # ended meanwhile
+            continue
+    names = " ".join(" ".join(command[:2]) for command in commands.values())
+    assert all(part in names for part in ("gcs_server", "raylet", "dashboard.py")), names
+    reporting = {" ".join(commands[pid][:2])[-60:]: _environ(pid).get("RAY_USAGE_STATS_ENABLED") for pid in commands}
+    assert set(reporting.values()) == {"0"}, reporting
+    worker_setting = ray.get(ray.remote(lambda: os.environ.get("RAY_USAGE_STATS_ENABLED")).options(num_cpus=0).remote())
+    assert worker_setting == "0"
+    dashboards = [command for command in commands.values() if any(p.endswith("dashboard/dashboard.py") for p in command)]
+    assert dashboards and all("--disable-frontend" in command for command in dashboards), dashboards
+
+
 def test_streaming_goes_through_end_to_end(fleet, replica_ids):
     client = openai.OpenAI(base_url=f"{fleet.base_url}/v1", api_key="unused", max_retries=0, timeout=300)
     messages = [{"role": "user", "content": PROMPTS[0]}]
