@@ -134,9 +134,7 @@ def http(fleet):
 
 @pytest.fixture(scope="module")
 def replica_ids(http) -> list[str]:
-    ids = http.get("/health").json()["replicas"]
-    assert len(ids) == 2, ids
-    return ids
+    return _wait_for_replicas(http, 2, timeout_s=60)  # each is listed from its first poll
 
 
 def _chat(client: openai.OpenAI, prompt: str) -> tuple[str, str]:
@@ -326,6 +324,25 @@ def test_ray_runs_with_usage_reports_and_its_dashboard_off(fleet, replica_ids):
     assert dashboards and all("--disable-frontend" in command for command in dashboards), dashboards
 
 
+def test_a_replica_is_live_from_its_first_poll_until_it_stops_polling(fleet):
+    """The registry lists a replica once it polls for calls (it can answer then), not when it
+    joins (it is still starting), and drops it STALE_AFTER_S after its last poll."""
+    import ray
+
+    from appliance.fleet.registry import STALE_AFTER_S, FleetRegistry
+
+    registry = FleetRegistry.remote()  # one of its own, beside the module fleet's
+    try:
+        assert ray.get(registry.join.remote("r1")) == {}
+        assert ray.get(registry.replicas.remote()) == []
+        assert ray.get(registry.next_calls.remote("r1")) == []  # a poll that waits POLL_WAIT_S for nothing
+        assert ray.get(registry.replicas.remote()) == ["r1"]
+        time.sleep(STALE_AFTER_S + 0.5)
+        assert ray.get(registry.replicas.remote()) == []
+    finally:
+        ray.kill(registry)
+
+
 def test_streaming_goes_through_end_to_end(fleet, replica_ids):
     client = openai.OpenAI(base_url=f"{fleet.base_url}/v1", api_key="unused", max_retries=0, timeout=300)
     messages = [{"role": "user", "content": PROMPTS[0]}]
@@ -476,7 +493,9 @@ def test_each_replica_writes_telemetry_under_its_id(fleet, replica_ids):
     assert seen >= set(replica_ids)
 
 
-def _wait_for_replicas(http: httpx.Client, count: int, without: str, timeout_s: float = 180.0) -> list[str]:
+def _wait_for_replicas(http: httpx.Client, count: int, without: str | None = None,
+                       timeout_s: float = 180.0) -> list[str]:
+    """The ids /health lists once there are `count` (none of them `without`)."""
     deadline = time.monotonic() + timeout_s
     while True:
         ids = http.get("/health").json().get("replicas", [])
@@ -635,7 +654,7 @@ def test_ray_serve_autoscales_the_fleet_with_its_load(joined):
     with httpx.Client(base_url=joined.base_url, timeout=120) as http, ThreadPoolExecutor(4) as pool:
         loads = [pool.submit(keep_streaming) for _ in range(4)]
         try:
-            _wait_for_replicas(http, 2, without="", timeout_s=240)
+            _wait_for_replicas(http, 2, timeout_s=240)
         finally:
             stop.set()
         faults = [fault for load in loads for fault in load.result(timeout=120)]

@@ -37,8 +37,10 @@ class FleetRegistry:
 
     # -- replicas -----------------------------------------------------------------------------
     async def join(self, replica_id: str) -> dict[str, Any]:
-        """Register a replica; returns the fleet's knob changes for its engine to start with."""
-        self._seen[replica_id] = time.monotonic()
+        """Register a replica; returns the fleet's knob changes for its engine to start with. It
+        counts as live from its first poll (`next_calls`), when it can answer: between the two it
+        finishes starting, which on a loaded host can outlast STALE_AFTER_S, and a replica listed
+        at join would drop out again until it polled."""
         self._inbox.setdefault(replica_id, asyncio.Queue())
         return dict(self._knobs)
 
