@@ -3,29 +3,31 @@
 The workload (seeded; token-id prompts from the skewed corpus, forced output lengths, its own
 arrival times), each phase `60 * --scale` seconds:
   1. chat: 96-256-token prompts, 24-48 output tokens, Poisson at --rate req/s;
-  2. the chat traffic goes on while bursts of long prompts arrive: BURST prompts of 900-1000
-     tokens (16 out) within two seconds, every 15 s of the phase;
+  2. the chat traffic goes on while bursts of long prompts arrive: --burst prompts of 900-1000
+     tokens (16 out) within two seconds, every --burst-every seconds of the phase;
   3. short prompts (16-48 tokens, 16-32 out) at 2x --rate.
 
 One `appliance serve` on 127.0.0.1, three ways, in this order:
-  A. the autopilot on (targets = --slo, bounds below), starting from the default knobs (after a
-     short warm-up; the server is fresh, so no operator change holds it);
+  A. the autopilot on (targets = --slo, bounds below), starting from the default knobs (the
+     server's own, as `appliance serve` starts; after a short warm-up; the server is fresh, so no
+     operator change holds it);
   B. the default knobs, autopilot off;
   C. the best fixed knobs of a small grid: the grid ranked in simulation on run B's own
      iterations (what `appliance tune --simulate` does), the top --verify points measured live;
-     plus the defaults with MIXED_PREFILL (the partial-prefill knobs, which the grid does not
-     sweep but the autopilot may move), measured live; the best fixed setting is the best of
-     those and the defaults (run B) by the sweep's rule (meeting the SLO for --attainment of
-     requests first, then goodput).
-The server runs without prefix caching: the three ways send the same prompts, and a later way
-would be served from the earlier one's cache.
+     the best fixed setting is the best of those and the defaults (run B) by the sweep's rule
+     (meeting the SLO for --attainment of requests first, then goodput).
+The server runs without prefix caching (every way, the defaults included): the ways send the same
+prompts, and a later way would be served from the earlier one's cache.
+The SLO is TTFT and ITL (the autopilot's two targets, `ttft_p99` and `itl_p99`): a request meets
+it when its first token came within the TTFT target and no gap between two of its tokens exceeded
+the ITL target (no stall longer than that while it streams).
 Prints, per way, goodput (share of requests within the SLO, and requests/s) and output
 throughput, then the autopilot's moves with their time and reason. Not a test: the figures
 depend on the machine and its load.
 
-    .venv/bin/python benchmarks/autopilot.py [--scale 1] [--rate 0.5] [--slo ttft=3s,tpot=400ms] [--verify 2]
+    .venv/bin/python benchmarks/autopilot.py [--scale 1] [--rate 1.5] [--slo ttft=3s,itl=150ms] [--burst 2] [--burst-every 10] [--verify 2]
 
---scale 0.5 runs in about 9 minutes here (five runs of ~90 s, and the server's start).
+--scale 0.5 runs in about 8 minutes here (four runs of ~90 s, and the server's start).
 """
 
 from __future__ import annotations
@@ -47,22 +49,22 @@ from appliance.bench.report.data import wait_for_server_rows
 from appliance.bench.runner import BenchmarkRun, run_benchmark
 from appliance.bench.tune import TUNED, Grid, run_sweep
 from appliance.bench.workloads import BenchRequest, skewed_corpus_ids
-from appliance.engine.knobs import Knobs
 from appliance.sim import whatif
 from appliance.sim.rank import rank_grid
 from appliance.sim.records import load_run
 
 SERVE_ARGS = ("--num-blocks", "512", "--max-model-len", "1280", "--no-enable-prefix-caching")
-BOUNDS = ("max_num_seqs=4..128,max_num_batched_tokens=128..2048,long_prefill_token_threshold=32..1024,"
-          "max_num_partial_prefills=1..4,max_long_partial_prefills=1..2")
 GRID = Grid(max_num_seqs=(8, 32, 64), max_num_batched_tokens=(256, 512, 1024), long_prefill_token_threshold=(64, 256))
-MIXED_PREFILL = {"max_num_partial_prefills": 4, "max_long_partial_prefills": 1}
+# the autopilot's bounds: the range the grid spans for each knob it sweeps (the choices the best
+# fixed setting had), and the partial-prefill knobs (which the grid does not sweep)
+BOUNDS = ",".join([f"{k}={min(getattr(GRID, k))}..{max(getattr(GRID, k))}" for k in TUNED]
+                  + ["max_num_partial_prefills=1..4", "max_long_partial_prefills=1..2"])
 PHASE_S = 60.0
-BURST, BURST_EVERY_S = 6, 15.0
-DEFAULT_SLO = "ttft=3s,tpot=400ms"  # within reach of this 2-core CPU box under shared load
+DEFAULT_SLO = "ttft=3s,itl=150ms"  # a 256-token prefill chunk (and two at once) stalls decoding past 150 ms on a 2-core CPU
 
 
-def shifting_workload(scale: float, rate: float, seed: int = 0) -> list[BenchRequest]:
+def shifting_workload(scale: float, rate: float, burst: int = 2, burst_every_s: float = 10.0,
+                      seed: int = 0) -> list[BenchRequest]:
     """The three phases (see the module docstring), in arrival order."""
     corpus = skewed_corpus_ids()
     rng = random.Random(seed)
@@ -80,8 +82,8 @@ def shifting_workload(scale: float, rate: float, seed: int = 0) -> list[BenchReq
         return out
 
     chat = [make((96, 256), (24, 48), t) for t in poisson(rate, 0.0, 2 * phase)]
-    bursts = [phase + i * BURST_EVERY_S for i in range(max(1, math.ceil(phase / BURST_EVERY_S)))]
-    longs = [make((900, 1000), (16, 16), at + rng.uniform(0.0, 2.0)) for at in bursts for _ in range(BURST)]
+    bursts = [phase + i * burst_every_s for i in range(max(1, math.ceil(phase / burst_every_s)))]
+    longs = [make((900, 1000), (16, 16), at + rng.uniform(0.0, 2.0)) for at in bursts for _ in range(burst)]
     short = [make((16, 48), (16, 32), t) for t in poisson(2 * rate, 2 * phase, 3 * phase)]
     return sorted(chat + longs + short, key=lambda r: r.arrival_offset or 0.0)
 
@@ -96,7 +98,7 @@ def measure(url: str, db: str, requests: list[BenchRequest], slo: SLO, name: str
 def figures(run: BenchmarkRun) -> dict[str, float]:
     s = run.load.summary
     return {"attainment": (s.slo_met or 0) / max(1, s.num_requests), "goodput": s.goodput or 0.0,
-            "output_throughput": s.output_throughput, "ttft_p99": s.ttft.p99 or 0.0, "tpot_p99": s.tpot.p99 or 0.0}
+            "output_throughput": s.output_throughput, "ttft_p99": s.ttft.p99 or 0.0, "itl_p99": s.itl.p99 or 0.0}
 
 
 def verified_points(url: str, db: str, requests: list[BenchRequest], slo: SLO, fit_run: str, verify: int,
@@ -114,7 +116,7 @@ def verified_points(url: str, db: str, requests: list[BenchRequest], slo: SLO, f
                        progress=lambda line: print(line, file=sys.stderr, flush=True))
     return [(p.knobs, {"attainment": p.attainment or 0.0, "goodput": p.goodput or 0.0,
                        "output_throughput": p.output_throughput or 0.0, "ttft_p99": p.ttft_p99 or 0.0,
-                       "tpot_p99": p.itl_p99 or 0.0}) for p in result.points if p.status == "ok"]
+                       "itl_p99": p.itl_p99 or 0.0}) for p in result.points if p.status == "ok"]
 
 
 def best(measured: list[tuple[str, dict[str, float]]], attainment: float) -> tuple[str, dict[str, float]]:
@@ -126,25 +128,35 @@ def best(measured: list[tuple[str, dict[str, float]]], attainment: float) -> tup
 
 def autopilot_spec(slo: SLO) -> str:
     targets = [f"ttft_p99={slo.ttft * 1000:g}ms"] if slo.ttft else []
-    targets += [f"itl_p99={slo.tpot * 1000:g}ms"] if slo.tpot else []
+    targets += [f"itl_p99={slo.itl * 1000:g}ms"] if slo.itl else []
     return ",".join(targets + [BOUNDS])
+
+
+def ttft_itl_slo(text: str) -> SLO:
+    """--slo: TTFT and ITL targets only (what the autopilot can be given)."""
+    slo = parse_slo(text)
+    if slo.tpot is not None or slo.e2e is not None or slo.ttft is None and slo.itl is None:
+        raise argparse.ArgumentTypeError(f"{text!r}: give ttft and/or itl targets (the autopilot's), e.g. {DEFAULT_SLO}")
+    return slo
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--scale", type=float, default=1.0, help="phase length x 60 s (default 1)")
-    parser.add_argument("--rate", type=float, default=0.5, help="chat requests/s (short ones: 2x; default 0.5)")
-    parser.add_argument("--slo", type=parse_slo, default=parse_slo(DEFAULT_SLO),
+    parser.add_argument("--rate", type=float, default=1.5, help="chat requests/s (short ones: 2x; default 1.5)")
+    parser.add_argument("--burst", type=int, default=2, help="long prompts per burst (default 2)")
+    parser.add_argument("--burst-every", type=float, default=10.0, help="seconds between bursts (default 10)")
+    parser.add_argument("--slo", type=ttft_itl_slo, default=parse_slo(DEFAULT_SLO),
                         help=f"the autopilot's p99 targets and each request's SLO (default {DEFAULT_SLO})")
     parser.add_argument("--verify", type=int, default=2, help="simulator-ranked grid points measured live (default 2)")
     parser.add_argument("--attainment", type=float, default=0.9, help="share of requests within the SLO to meet it")
     args = parser.parse_args()
-    requests = shifting_workload(args.scale, args.rate)
+    requests = shifting_workload(args.scale, args.rate, args.burst, args.burst_every)
     print(f"workload: {len(requests)} requests over {3 * PHASE_S * args.scale:.0f} s; SLO {args.slo}", flush=True)
-    defaults = Knobs().as_dict()
     started = time.time()
     with server_process(*SERVE_ARGS) as server:
         url, db = server.base_url, server.db_url
+        defaults = httpx.get(f"{url}/admin/knobs", timeout=30).json()["knobs"]  # what `appliance serve` starts with
         # warm up (not measured) with both prompt shapes: the first long prompts after a start are
         # slower (first-time allocations), which would count against whichever way runs first
         longs = [r for r in requests if (r.prompt_len or 0) >= 900][:2]
@@ -158,19 +170,15 @@ def main() -> int:
         patch_knobs(url, defaults)
         default_run = measure(url, db, requests, args.slo, "default knobs")
         verified = verified_points(url, db, requests, args.slo, default_run.run_id, args.verify, args.attainment)
-        patch_knobs(url, {**defaults, **MIXED_PREFILL})
-        mixed = figures(measure(url, db, requests, args.slo, "defaults, mixed prefill"))
     tuned = {k: defaults[k] for k in TUNED}
-    mixed_name = f"defaults with {MIXED_PREFILL}"
-    fixed_name, fixed = best([(str(tuned), figures(default_run)), *((str(k), f) for k, f in verified),
-                              (mixed_name, mixed)], args.attainment)
-    rows = [("default knobs", figures(default_run)), *((f"grid point {k}", f) for k, f in verified), (mixed_name, mixed),
+    fixed_name, fixed = best([(str(tuned), figures(default_run)), *((str(k), f) for k, f in verified)], args.attainment)
+    rows = [("default knobs", figures(default_run)), *((f"grid point {k}", f) for k, f in verified),
             (f"best fixed: {fixed_name}", fixed), ("autopilot from defaults", figures(pilot))]
     print(f"\nSLO {args.slo} (attainment = share of requests within it); {time.time() - started:.0f} s in all")
-    print(f"{'way':<84} {'attain':>7} {'goodput':>9} {'out tok/s':>10} {'TTFT p99':>9} {'TPOT p99':>9}")
+    print(f"{'way':<84} {'attain':>7} {'goodput':>9} {'out tok/s':>10} {'TTFT p99':>9} {'ITL p99':>9}")
     for name, f in rows:
         print(f"{name:<84} {f['attainment']:>7.1%} {f['goodput']:>7.2f}/s {f['output_throughput']:>10.1f} "
-              f"{f['ttft_p99']:>8.2f}s {f['tpot_p99'] * 1000:>7.0f}ms")
+              f"{f['ttft_p99']:>8.2f}s {f['itl_p99'] * 1000:>7.0f}ms")
     base = figures(default_run)["attainment"]
     if base > 0:
         print(f"autopilot attainment / defaults': {figures(pilot)['attainment'] / base:.2f}x")

@@ -70,7 +70,7 @@ import time  # noqa: E402
 from contextlib import contextmanager  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import Any, Callable, Iterator  # noqa: E402
+from typing import Any, Callable, Iterator, Sequence  # noqa: E402
 
 
 @dataclass
@@ -202,13 +202,7 @@ def spawn_server(tmp_path) -> Iterator[Callable[..., ServerProcess]]:
 
     def spawn(*args: str, ready: bool = True, port: int | None = None) -> ServerProcess:
         port = port or free_port()
-        log_path = tmp_path / f"serve-{port}.log"
-        cmd = [sys.executable, "-m", "appliance.cli", "serve", "--dtype", "float32", "--device", "cpu",
-               "--port", str(port), *args]
-        with open(log_path, "wb") as log:
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path,
-                                    env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        server = ServerProcess(proc, f"http://127.0.0.1:{port}", log_path)
+        server = start_server_process(args, port, tmp_path / f"serve-{port}.log")
         started.append(server)
         if ready:
             server.wait_ready()
@@ -219,6 +213,17 @@ def spawn_server(tmp_path) -> Iterator[Callable[..., ServerProcess]]:
         if server.proc.poll() is None:
             server.proc.kill()
             server.proc.wait(10)
+
+
+def start_server_process(args: Sequence[str], port: int, log_path: Path) -> ServerProcess:
+    """`python -m appliance.cli serve --dtype float32 --device cpu --port PORT ARGS...` as a process
+    of its own (cwd: the log's folder, output to the log); not waited for."""
+    cmd = [sys.executable, "-m", "appliance.cli", "serve", "--dtype", "float32", "--device", "cpu",
+           "--port", str(port), *args]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=log_path.parent,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    return ServerProcess(proc, f"http://127.0.0.1:{port}", log_path)
 
 
 # -- a real server with the dashboard mounted at /ui (tests/test_ui_*.py) -------------------------

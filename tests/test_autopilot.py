@@ -16,17 +16,18 @@ from appliance.engine.knobs import KnobState, KnobUpdate
 from appliance.records import ITERATION_METRICS, HoldCause, IterationStats, RequestStats
 from appliance.server.autopilot import SOURCE, Autopilot
 from appliance.server.autopilot_choice import MARGIN
-from appliance.server.autopilot_policy import SpecError, decide, parse_spec, window_stats
+from appliance.server.autopilot_policy import DecodeGaps, SpecError, decide, parse_spec, window_stats, worst_gaps
 from appliance.sim.fit import MIN_ROWS, EngineKey, StepTimeModel
 from appliance.sim.replay import CacheShape, SimRequest, replay
 from appliance.telemetry import queries
 from appliance.telemetry.writer import TelemetryWriter
 
 
-def iteration(t: float, duration: float = 0.1, kv: float = 0.3, prefill: int = 0, **held: int) -> IterationStats:
+def iteration(t: float, duration: float = 0.1, kv: float = 0.3, prefill: int = 0, decode: int = 4,
+              **held: int) -> IterationStats:
     base = {m.name: 0 for m in ITERATION_METRICS}
     base.update(started_at=t, duration_s=duration, policy="continuous", kv_blocks_total=100,
-                kv_blocks_used=int(kv * 100), prefill_tokens=prefill,
+                kv_blocks_used=int(kv * 100), prefill_tokens=prefill, decode_tokens=decode,
                 **{HoldCause[k.upper()].column: v for k, v in held.items()})
     return IterationStats(**base)
 
@@ -74,9 +75,10 @@ def pilot(spec: str, fixed: dict | None = None, window_s: float = 30, **knobs) -
 
 def feed(ap: Autopilot, t0: float, ttft: float = 2.0, itl: float = 0.02, prefill: int = 0, kv: float = 0.3,
          **held: int) -> None:
-    """10 s of traffic: 50 iterations and 10 finished requests."""
+    """10 s of traffic: 50 back-to-back iterations of `itl` each (so every decode row waits `itl`
+    for its token) and 10 finished requests."""
     for i in range(50):
-        ap.on_iteration(iteration(t0 + i * 0.2, kv=kv, prefill=prefill, **held))
+        ap.on_iteration(iteration(t0 + i * itl, duration=itl, kv=kv, prefill=prefill, **held))
     for i in range(10):
         ap.on_request(request(t0 + i, ttft, itl))
 
@@ -120,6 +122,24 @@ def test_token_budget_binding_raises_the_budget():
     feed(ap, 990.0, ttft=2.0, token_budget=4)
     ap.tick(1000.0)
     assert engine.knobs.max_num_batched_tokens == 600
+
+
+def test_the_window_reads_itl_as_the_p99_over_requests_of_their_worst_stall():
+    # three iterations back to back, then one after a 0.5 s pause; the first has no iteration
+    # before it in the window, so its gap is unknown and left out
+    its = [iteration(10.0, 0.1, decode=2), iteration(10.1, 0.1, decode=2), iteration(10.2, 0.1, decode=0),
+           iteration(10.8, 0.2, decode=1)]
+    gaps = DecodeGaps.of(list(reversed(its)))  # the order records arrive in does not matter
+    assert gaps.gaps == pytest.approx([0.1, 0.7]) and gaps.starts == [10.1, 10.8]
+    assert gaps.of_request(10.05, 10.9) == pytest.approx([0.1, 0.7])  # streamed through both
+    assert gaps.of_request(10.15, 10.9) == pytest.approx([0.7])
+    # 99 requests whose worst gap is 0.1 s and one that streamed through a 1.1 s stall: the p99
+    # over the 100 requests sits 0.01 of the way from the 99th to the 100th (as appliance bench's)
+    steady = [iteration(20.0 + 0.1 * i, 0.1) for i in range(101)] + [iteration(30.1, 1.1)]
+    reqs = [RequestStats("r", "api", None, 19.0, 19.0, 20.05 + 0.1 * i, 20.25 + 0.1 * i, 8, 3, "length", 0, 0)
+            for i in range(99)] + [RequestStats("s", "api", None, 29.0, 29.0, 29.95, 31.3, 8, 3, "length", 0, 0)]
+    assert sorted(worst_gaps(reqs, DecodeGaps.of(steady)))[-2:] == pytest.approx([0.1, 1.1])
+    assert window_stats(steady, reqs).itl_p99 == pytest.approx(0.11)
 
 
 def test_itl_over_target_with_prefill_in_steps_halves_the_chunk():
@@ -371,6 +391,20 @@ def test_simulator_holds_when_no_candidate_beats_the_knobs_in_force_by_the_margi
     decision = ap.view()["last_decision"]
     assert decision["reason"].startswith("hold: the best candidate") and "not better enough" in decision["reason"]
     assert ap.tick(end + 3) is None and ap.view()["last_decision"] == decision  # one round of replays per cooldown
+
+
+@pytest.mark.parametrize("itl_ms, chunk", [(120, 128), (100, 64)])
+def test_a_chunk_cut_goes_as_deep_as_the_itl_target_needs_and_no_deeper(itl_ms, chunk):
+    # 800-token prompts over other requests' decoding, prefill-heavy steps: a 256-token chunk
+    # stalls decoding ~166 ms, a 128-token one ~102 ms, a 64-token one ~73 ms. Halving and
+    # quartering are both tried; the shallower cut is taken when it keeps the target too.
+    ap, engine = pilot(f"ttft_p99=5s,itl_p99={itl_ms}ms,long_prefill_token_threshold=16..512", fixed=FIXED,
+                       window_s=300, long_prefill_token_threshold=256, max_num_partial_prefills=4)
+    end = scripted_window(ap, engine.knobs, true_engine(prefill_tokens=0.0005), n=40, rate=1.0, prompt=800,
+                          output=100)
+    assert ap.tick(end + 1) is not None and engine.knobs.long_prefill_token_threshold == chunk
+    tried = {c["changes"].get("long_prefill_token_threshold"): c for c in ap.view()["moves"][-1]["prediction"]["candidates"]}
+    assert tried[chunk]["itl_p99"] <= itl_ms / 1000 and {128, 64} <= set(tried)
 
 
 def test_too_few_iterations_to_fit_falls_back_to_the_rules_and_says_so():

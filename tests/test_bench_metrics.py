@@ -82,6 +82,10 @@ def test_summary_hand_computed():
     assert g.slo_met == 2 and g.goodput == 1.0
     assert g.as_dict()["slo"] == {"ttft": 0.25, "tpot": 0.2}
     assert summarize(results, 2.0, slo=SLO(e2e=0.5)).slo_met == 1
+    # itl: no gap of the request over the target; #1's 1.0 s gap misses 0.6 s, #2 has no gap
+    assert summarize(results, 2.0, slo=SLO(itl=0.6)).slo_met == 2
+    assert summarize(results, 2.0, slo=SLO(itl=1.0)).slo_met == 3
+    assert summarize(results, 2.0, slo=SLO(itl=0.05)).slo_met == 1
 
 
 def test_summary_of_nothing_and_bad_duration():
@@ -95,6 +99,7 @@ def test_summary_of_nothing_and_bad_duration():
 
 def test_parse_slo():
     assert parse_slo("ttft=500ms,tpot=100ms,e2e=2s") == SLO(ttft=0.5, tpot=0.1, e2e=2.0)
+    assert parse_slo("itl=300ms") == SLO(itl=0.3) and str(SLO(ttft=1, itl=0.3)) == "ttft=1000ms,itl=300ms"
     assert parse_slo(" TTFT = 0.25s ") == SLO(ttft=0.25)
     assert parse_slo("tpot:40ms") == SLO(tpot=0.04)  # vLLM's NAME:VALUE also works
     assert str(parse_slo("ttft=500ms,e2e=2s")) == "ttft=500ms,e2e=2000ms"

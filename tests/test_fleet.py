@@ -580,21 +580,17 @@ def joined(fleet, tmp_path_factory):
     import ray
     from ray import serve
 
-    from conftest import ServerProcess, free_port
+    from conftest import free_port, start_server_process
     from pg_server import postgres_server
 
     with postgres_server() as pg:
-        port = free_port()
-        log_path = tmp_path_factory.mktemp("joined") / "serve.log"
-        cmd = [sys.executable, "-m", "appliance.cli", "serve", "--dtype", "float32", "--device", "cpu",
-               "--port", str(port), "--no-dashboard", "--replica-id", JOINED_ID, "--db", pg.url,
-               "--ray-address", ray.get_runtime_context().gcs_address, "--replicas", "1", "--min-replicas", "1",
-               "--max-replicas", "2", "--target-ongoing-requests", "1", "--upscale-delay-s", "0",
-               "--downscale-delay-s", "5", "--replica-num-cpus", "0.25"]
-        with open(log_path, "wb") as log:
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=log_path.parent,
-                                    env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        server = ServerProcess(proc, f"http://127.0.0.1:{port}", log_path)
+        server = start_server_process(
+            ["--no-dashboard", "--replica-id", JOINED_ID, "--db", pg.url,
+             "--ray-address", ray.get_runtime_context().gcs_address, "--replicas", "1", "--min-replicas", "1",
+             "--max-replicas", "2", "--target-ongoing-requests", "1", "--upscale-delay-s", "0",
+             "--downscale-delay-s", "5", "--replica-num-cpus", "0.25"],
+            free_port(), tmp_path_factory.mktemp("joined") / "serve.log")
+        proc = server.proc
         server.pg = pg
         server.app_name = fleet_spec(_args(replicas=1), _server(replica_id=JOINED_ID)).app_name
         try:

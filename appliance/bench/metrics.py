@@ -5,6 +5,8 @@ Pure functions over plain records, in seconds throughout. Definitions (as vLLM's
   E2E   time from sending the request to the end of the stream
   TPOT  (E2E - TTFT) / (output_tokens - 1), for requests with more than one output token
   ITL   the gaps between consecutive output chunks of one request (pooled over all requests)
+An SLO's `itl` target holds for a request when none of its gaps exceeds it (no stall longer
+than that while it streams): the per-request form of an ITL tail target.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any, Iterable, Sequence
 from appliance.numeric import percentile
 
 PERCENTILES = (50, 90, 99)
-SLO_METRICS = ("ttft", "tpot", "e2e")
+SLO_METRICS = ("ttft", "tpot", "itl", "e2e")
 
 
 @dataclass(frozen=True)
@@ -99,14 +101,15 @@ class SLO:
 
     ttft: float | None = None
     tpot: float | None = None
+    itl: float | None = None  # the longest gap between two of the request's output chunks
     e2e: float | None = None
 
     def met_by(self, r: RequestResult) -> bool:
         """Ok and within every target. A target whose metric is undefined for the request
-        (TPOT of a one-token reply, TTFT of an empty one) holds."""
+        (TPOT or ITL of a one-token reply, TTFT of an empty one) holds."""
         if not r.ok:
             return False
-        checks = ((self.ttft, r.ttft), (self.tpot, r.tpot), (self.e2e, r.e2e))
+        checks = ((self.ttft, r.ttft), (self.tpot, r.tpot), (self.itl, max(r.itl, default=None)), (self.e2e, r.e2e))
         return all(target is None or value is None or value <= target for target, value in checks)
 
     def as_dict(self) -> dict[str, float]:
@@ -117,7 +120,7 @@ class SLO:
 
 
 def parse_slo(text: str) -> SLO:
-    """Parse "ttft=500ms,tpot=100ms,e2e=2s" (any subset; ':' also separates; units ms or s)."""
+    """Parse "ttft=500ms,tpot=100ms,itl=300ms,e2e=2s" (any subset; ':' also separates; units ms or s)."""
     if not text or not text.strip():
         raise ValueError("empty SLO: expected e.g. ttft=500ms,tpot=100ms,e2e=2s")
     values: dict[str, float] = {}

@@ -22,11 +22,13 @@ from appliance.records import COMPLETED_REASONS, FinishReason, HoldCause, Iterat
 from appliance.sim.fit import MIN_ROWS, EngineKey, FitError, fit_step_time
 from appliance.sim.replay import CacheShape, ReplayError, SimRequest, replay
 
-from .autopilot_policy import MIN_REQUESTS, Move, Spec, WindowStats, bounded_move, decide, window_stats
+from .autopilot_policy import (MIN_REQUESTS, DecodeGaps, Move, Spec, WindowStats, bounded_move, decide, p99,
+                               window_stats)
 
 MARGIN = 0.05  # a candidate must raise the predicted attainment by this share of requests...
 P99_MARGIN = 0.2  # ...or, at no loss of attainment, cut the worst target's predicted p99 by this share
-MAX_CANDIDATES = 4
+TIE = 0.02  # candidates predicted within this share of requests of the best one count as equally good
+MAX_CANDIDATES = 6
 MAX_REQUESTS = 300  # the window's newest finished requests are replayed (~1 s per 200 on this CPU)
 BUDGET_S = 5.0  # no replay starts after this long
 # the replay of the knobs in force must land within this share of requests of the measured
@@ -44,8 +46,8 @@ RAISES: dict[HoldCause, Callable[[int], list[int]]] = {
 
 @dataclass(frozen=True)
 class Forecast:
-    """One replay's SLO figures: share of requests within the targets, and the p99s (ITL as the
-    autopilot reads it: each request's mean time per output token)."""
+    """One replay's SLO figures: share of requests within the targets, and the p99s over requests
+    (of TTFT, and of each request's longest inter-token gap, as the window's)."""
 
     attainment: float
     ttft_p99: float | None
@@ -82,7 +84,10 @@ def over_targets(w: WindowStats, spec: Spec) -> tuple[bool, bool]:
 
 def candidates(w: WindowStats, knobs: Knobs, spec: Spec, last_raise: Mapping[str, int] | None = None) -> list[Move]:
     """The moves worth simulating, the rules' own first, each inside the bounds and valid as a
-    whole set; at most MAX_CANDIDATES. Unlike the rules alone, a raise of max_num_seqs is tried
+    whole set; at most MAX_CANDIDATES. Unlike the rules alone, an ITL over target also tries
+    halving the token budget and the concurrent partial prefills (with several prompts prefilling
+    at once, those, not the chunk, bound a step's size) and the chunk at a quarter (a stall
+    several times the target needs more than one halving), and a raise of max_num_seqs is tried
     even with the KV cache nearly full (the replay shows whether preemptions eat the gain)."""
     rule = decide(w, knobs, spec, dict(last_raise or {}))
     out = [rule] if rule is not None else []
@@ -95,7 +100,11 @@ def candidates(w: WindowStats, knobs: Knobs, spec: Spec, last_raise: Mapping[str
             out += [m for v in RAISES[cause](k[cause.value]) if (m := bounded_move(knobs, spec, cause.value, v, why))]
     if itl_over:
         why = f"ITL p99 {(w.itl_p99 or 0) * 1000:.0f} ms over target"
-        for name, value in (("long_prefill_token_threshold", max(1, k["long_prefill_token_threshold"] // 2)),
+        chunk = k["long_prefill_token_threshold"]
+        for name, value in (("long_prefill_token_threshold", max(1, chunk // 2)),
+                            ("max_num_batched_tokens", max(1, k["max_num_batched_tokens"] // 2)),
+                            ("max_num_partial_prefills", max(1, k["max_num_partial_prefills"] // 2)),
+                            ("long_prefill_token_threshold", max(1, chunk // 4)),
                             ("max_num_seqs", w.fewer_seqs(k["max_num_seqs"]))):
             if (m := bounded_move(knobs, spec, name, value, why)) is not None:
                 out.append(m)
@@ -130,11 +139,13 @@ def sim_requests(done: Sequence[RequestStats]) -> list[SimRequest]:
                        r.finished - t0 if r.finish_reason == FinishReason.ABORT else None, r.cached_tokens) for r in done]
 
 
-def measured_attainment(done: Sequence[RequestStats], slo: SLO) -> float:
-    """The share of `done` that met `slo` as the server measured them (from arrival)."""
+def measured_attainment(done: Sequence[RequestStats], slo: SLO, gaps: DecodeGaps) -> float:
+    """The share of `done` that met `slo` as the server measured them (from arrival; each
+    request's inter-token gaps from the iterations it streamed through)."""
     met = sum(slo.met_by(RequestResult(
         index=i, sent_at=r.arrival, ok=r.finish_reason in COMPLETED_REASONS, output_tokens=r.output_tokens,
-        ttft=None if r.first_token is None else r.first_token - r.arrival, e2e=r.finished - r.arrival))
+        ttft=None if r.first_token is None else r.first_token - r.arrival, e2e=r.finished - r.arrival,
+        itl=[] if r.first_token is None else gaps.of_request(r.first_token, r.finished)))
         for i, r in enumerate(done))
     return met / max(1, len(done))
 
@@ -156,15 +167,17 @@ def choose(iterations: Sequence[IterationStats], requests: Sequence[RequestStats
     except FitError as exc:
         return rules_only(rule, f"{exc} in the window (the simulator needs {MIN_ROWS})")
     cache = CacheShape(int(fixed["num_blocks"]), int(fixed["block_size"]), int(fixed["max_model_len"]))
-    slo = SLO(ttft=spec.targets.get("ttft_p99"), tpot=spec.targets.get("itl_p99"))
+    slo = SLO(ttft=spec.targets.get("ttft_p99"), itl=spec.targets.get("itl_p99"))
     done = replayable(requests)
     reqs = sim_requests(done)
-    measured = measured_attainment(done, slo)
+    measured = measured_attainment(done, slo, DecodeGaps.of(iterations))
     started = clock()
 
     def forecast(k: Knobs) -> Forecast:
-        s = replay(reqs, k, cache, model, slo=slo).summary
-        return Forecast((s.slo_met or 0) / max(1, s.num_requests), s.ttft.p99, s.tpot.p99)
+        out = replay(reqs, k, cache, model, slo=slo)
+        s = out.summary
+        return Forecast((s.slo_met or 0) / max(1, s.num_requests), s.ttft.p99,
+                        p99([max(r.itl) for r in out.results if r.ok and r.itl]))
 
     try:
         base = forecast(knobs)
@@ -199,7 +212,7 @@ def weigh(w: WindowStats, spec: Spec, base: Forecast, tried: Sequence[tuple[Move
           prediction: dict[str, Any]) -> Choice:
     """The best candidate if it beats the knobs in force by the margin (a give-back: if it loses
     nothing and keeps the targets), else hold."""
-    best, after = max(tried, key=lambda mf: (mf[1].attainment, -mf[1].worst_ratio(spec)))
+    best, after = pick(tried, spec)
     if not any(over_targets(w, spec)):  # the rules give a raise back
         wins = after.attainment >= base.attainment and after.worst_ratio(spec) <= 1
     else:
@@ -211,6 +224,18 @@ def weigh(w: WindowStats, spec: Spec, base: Forecast, tried: Sequence[tuple[Move
     if not wins:
         return Choice(None, f"hold: the best candidate ({_label(best)}) is not better enough: {verdict}", prediction)
     return Choice(best, f"{best.reason}; {verdict}", prediction)
+
+
+def pick(tried: Sequence[tuple[Move, Forecast]], spec: Spec) -> tuple[Move, Forecast]:
+    """The first move among those predicted within TIE of the best attainment that keeps every
+    target (candidates come the rules' own step first, then each knob's steps smallest first),
+    else the one of those nearest its targets. A bigger step than needed buys nothing the window
+    shows and may cost what it does not: a chunk cut deeper than the ITL target needs slows the
+    long prompts that come next."""
+    top = max(f.attainment for _, f in tried)
+    near = [(m, f) for m, f in tried if f.attainment >= top - TIE]
+    keeping = [(m, f) for m, f in near if f.worst_ratio(spec) <= 1]
+    return keeping[0] if keeping else min(near, key=lambda mf: mf[1].worst_ratio(spec))
 
 
 def _label(m: Move) -> str:

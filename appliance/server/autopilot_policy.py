@@ -15,6 +15,7 @@ Each move stays inside the operator's bounds and is checked as a whole knob set.
 
 from __future__ import annotations
 
+import bisect
 import math
 import re
 from collections.abc import Mapping, Sequence
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from appliance.engine.knobs import KnobError, Knobs, field_errors
+from appliance.numeric import percentile
 from appliance.records import HoldCause, IterationStats, RequestStats
 
 TARGETS = ("ttft_p99", "itl_p99")
@@ -120,7 +122,7 @@ class WindowStats:
 
     requests: int
     ttft_p99: float | None
-    itl_p99: float | None  # p99 over requests of their mean inter-token time
+    itl_p99: float | None  # p99 over requests of each one's longest inter-token gap (its worst stall)
     held_s: dict[HoldCause, float]  # queued request-seconds by cause
     kv_peak: float  # 0..1
     prefill_step_share: float  # share of steps that carried prefill chunks
@@ -133,24 +135,47 @@ class WindowStats:
         return max(1, math.floor(base * 0.75))
 
 
+@dataclass(frozen=True)
+class DecodeGaps:
+    """The inter-token gaps the window's decode rows waited: each iteration that decoded gave each
+    of its decode rows a token one gap after the iteration before it ended (the first iteration of
+    the window, with no iteration before it, is left out)."""
+
+    starts: list[float]  # of each iteration that decoded, ascending
+    gaps: list[float]
+
+    @classmethod
+    def of(cls, iterations: Sequence[IterationStats]) -> "DecodeGaps":
+        its = sorted(iterations, key=lambda it: it.started_at)
+        kept = [(it.started_at, it.started_at + it.duration_s - (prev.started_at + prev.duration_s))
+                for prev, it in zip(its, its[1:]) if it.decode_tokens > 0]
+        return cls([k[0] for k in kept], [k[1] for k in kept])
+
+    def of_request(self, first_token: float, finished: float) -> list[float]:
+        """The gaps of the iterations that started while a request streamed (from its first token
+        to its end): its own inter-token gaps, if it was never preempted."""
+        return self.gaps[bisect.bisect_left(self.starts, first_token):bisect.bisect_left(self.starts, finished)]
+
+
+def worst_gaps(requests: Sequence[RequestStats], gaps: DecodeGaps) -> list[float]:
+    """Each streamed request's longest inter-token gap (requests with one token have none)."""
+    return [max(g) for r in requests if r.first_token is not None and (g := gaps.of_request(r.first_token, r.finished))]
+
+
 def window_stats(iterations: Sequence[IterationStats], requests: Sequence[RequestStats]) -> WindowStats:
-    ttft = sorted(r.first_token - r.arrival for r in requests if r.first_token is not None)
-    itl = sorted((r.finished - r.first_token) / (r.output_tokens - 1)
-                 for r in requests if r.first_token is not None and r.output_tokens > 1)
+    """The window as the rules read it. ITL p99 is the p99 over requests of their worst stall, so
+    that, like TTFT p99, a target met means at most 1 % of requests missed it."""
+    ttft = [r.first_token - r.arrival for r in requests if r.first_token is not None]
     held = {c: sum(getattr(it, c.column) * it.duration_s for it in iterations) for c in HoldCause}
     kv = max((it.kv_blocks_used / it.kv_blocks_total for it in iterations if it.kv_blocks_total), default=0.0)
     prefill = sum(1 for it in iterations if it.prefill_tokens > 0)
-    return WindowStats(len(requests), _p99(ttft), _p99(itl), held, kv,
+    return WindowStats(len(requests), p99(ttft), p99(worst_gaps(requests, DecodeGaps.of(iterations))), held, kv,
                        prefill / len(iterations) if iterations else 0.0, max((it.running for it in iterations), default=0))
 
 
-def _p99(values: list[float]) -> float | None:
-    if not values:
-        return None
-    pos = (len(values) - 1) * 0.99
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(values) - 1)
-    return values[lo] + (values[hi] - values[lo]) * (pos - lo)
+def p99(values: Sequence[float]) -> float | None:
+    """The p99 (linear interpolation, as appliance bench's), None of nothing."""
+    return percentile(values, 99) if values else None
 
 
 @dataclass(frozen=True)
