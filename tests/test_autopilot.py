@@ -64,11 +64,13 @@ class Engine:
         return change
 
 
-def pilot(spec: str, fixed: dict | None = None, window_s: float = 30, **knobs) -> tuple[Autopilot, Engine]:
-    """An autopilot on the scripted engine: by the rules alone, or with `fixed`, by simulation."""
+def pilot(spec: str, fixed: dict | None = None, window_s: float = 30, worker=None, **knobs) -> tuple[Autopilot, Engine]:
+    """An autopilot on the scripted engine: by the rules alone, or with `fixed`, by simulation
+    (in `worker`'s process when given one)."""
     engine = Engine(**knobs)
     ap = Autopilot(lambda: engine.state.snapshot, engine.apply, parse_spec(spec),
-                   fixed=(lambda: fixed) if fixed else None, window_s=window_s, cooldown_s=10, manual_hold_s=60)
+                   fixed=(lambda: fixed) if fixed else None, window_s=window_s, cooldown_s=10, manual_hold_s=60,
+                   worker=worker)
     engine.sinks.append(ap)
     return ap, engine
 
@@ -457,3 +459,33 @@ def test_a_move_records_its_reason_and_prediction_in_knob_history_and_the_store(
     stored = queries.knob_timeline(url)
     assert [(c["source"], c["reason"], c["prediction"]) for c in stored] == [
         ("admin", None, None), ("autopilot", move.reason, move.prediction)]
+
+
+def test_simulations_run_in_a_worker_process_at_the_lowest_priority_and_decide_the_same():
+    """The server's autopilot replays in a process of its own (never holding the GIL the engine
+    thread needs), niced to 19; its choice is the one made in-thread; a dead worker turns the
+    autopilot off with the error and raises nothing."""
+    import os
+    import signal
+
+    from appliance.server.autopilot_worker import ChoiceWorker
+
+    here, _ = pilot("ttft_p99=1s,max_num_seqs=2..16", fixed=FIXED, window_s=300, max_num_seqs=2)
+    end = scripted_window(here, here._knobs().knobs, true_engine())
+    expected = here.tick(end + 1)
+    worker = ChoiceWorker()
+    try:
+        ap, engine = pilot("ttft_p99=1s,max_num_seqs=2..16", fixed=FIXED, window_s=300, worker=worker, max_num_seqs=2)
+        scripted_window(ap, engine.knobs, true_engine())
+        move = ap.tick(end + 1)
+        assert move is not None and move.changes == expected.changes and move.reason == expected.reason
+        pid = worker.pid()
+        assert pid is not None and pid != os.getpid() and os.getpriority(os.PRIO_PROCESS, pid) == 19
+        os.kill(pid, signal.SIGKILL)  # the worker dies: the next simulated decision fails
+        scripted_window(ap, engine.knobs, true_engine())
+        assert ap.tick(end + 100) is None
+        view = ap.view()
+        assert view["enabled"] is False and view["status"].startswith("off after an error: BrokenProcessPool")
+    finally:
+        worker.close()
+    assert worker.pid() is None

@@ -9,8 +9,9 @@ and one round of simulations (they share the CPU with serving), per `cooldown_s`
 by anyone else pauses it for `manual_hold_s` and a decision taken before that change is dropped
 (checked before applying, and by the engine itself: the move carries the knob version it was
 decided on, KnobConflict when that is stale); switching it off stops it before its next move;
-any error in the controller is logged and turns it off (serving is never touched: it decides,
-simulations included, in its own thread and only ever submits knob changes).
+any error in the controller is logged and turns it off (serving is never touched: it decides in
+its own thread, its simulations run in a worker process of their own when given one (the server
+does: autopilot_worker), and it only ever submits knob changes).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from ..engine.knobs import KnobConflict, KnobSnapshot
 from ..records import IterationStats, KnobChange, RequestStats
 from .autopilot_choice import Choice, choose
 from .autopilot_policy import Move, Spec, decide, window_stats
+from .autopilot_worker import ChoiceWorker
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +51,9 @@ class Autopilot(StatsSink):
     def __init__(self, knobs: Callable[[], KnobSnapshot], apply: Apply | None = None, spec: Spec | None = None, *,
                  fixed: Callable[[], Mapping[str, Any]] | None = None, window_s: float = WINDOW_S,
                  cooldown_s: float = COOLDOWN_S, manual_hold_s: float = MANUAL_HOLD_S,
-                 clock: Callable[[], float] = time.time):
+                 clock: Callable[[], float] = time.time, worker: ChoiceWorker | None = None):
         self._knobs, self._apply, self._fixed, self._clock = knobs, apply, fixed, clock
+        self._worker = worker  # where simulations run (None: in the caller's thread)
         self.spec = spec
         self.enabled = spec is not None
         self.window_s, self.cooldown_s, self.manual_hold_s = window_s, cooldown_s, manual_hold_s
@@ -176,7 +179,8 @@ class Autopilot(StatsSink):
                 last_raise: dict[str, int]) -> Choice:
         """By simulation when the engine's fixed settings are known, else by the rules alone."""
         if self._fixed is not None:
-            return choose(iterations, requests, knobs, spec, self._fixed(), last_raise)
+            run = self._worker.choose if self._worker is not None else choose
+            return run(iterations, requests, knobs, spec, self._fixed(), last_raise)
         move = decide(window_stats(iterations, requests), knobs, spec, last_raise)
         return Choice(move, move.reason if move else "hold: the rules propose nothing")
 
@@ -202,6 +206,8 @@ class Autopilot(StatsSink):
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout)
+        if self._worker is not None:
+            self._worker.close()
 
 
 def loop_apply(aeng: Any, loop: asyncio.AbstractEventLoop, timeout_s: float = 30.0) -> Apply:

@@ -16,6 +16,7 @@ from ..engine import AsyncEngine, IterationStats, KnobChange, LLMEngine, Request
 from ..engine.knobs import KnobSnapshot
 from ..records import StrEnum
 from .autopilot import Autopilot, loop_apply
+from .autopilot_worker import ChoiceWorker
 from .autopilot_policy import parse_spec
 from .errors import APIError, ServerErrorCode
 from .metrics import ServerMetrics
@@ -80,7 +81,8 @@ class AppState:
         if telemetry is not None and telemetry not in self.engine.sinks:
             self.engine.add_sink(telemetry)
         self.autopilot = Autopilot(lambda: self.engine.knob_state.snapshot, fixed=self.fixed,
-                                   spec=parse_spec(config.autopilot) if config.autopilot else None)
+                                   spec=parse_spec(config.autopilot) if config.autopilot else None,
+                                   worker=ChoiceWorker())
         self.engine.add_sink(self.autopilot)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
         self._key = config.api_key.encode() if config.api_key else None
