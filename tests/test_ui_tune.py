@@ -117,5 +117,5 @@ def test_the_tabs_cancel_stops_a_sweep_and_restores_the_knobs(server, client):
 def test_sweep_form_errors_are_shown(client):
     message, *_ = sweep(client, "2,x", "64", "32", 2, "ttft=1s").result()
     assert "max_num_seqs" in message and "whole numbers" in message
-    message, *_ = sweep(client, "2", "64", "32", 2, "itl=1s").result()
+    message, *_ = sweep(client, "2", "64", "32", 2, "latency=1s").result()
     assert "unknown metric" in message
