@@ -198,7 +198,7 @@ def choose(iterations: Sequence[IterationStats], requests: Sequence[RequestStats
         "skipped": [m.changes for m in moves[len(tried):]]}
     if not tried:
         return Choice(None, f"hold: the time budget ({budget_s:g} s) ran out before any candidate", prediction, True)
-    return replace(weigh(w, spec, base, tried, prediction), simulated=True)
+    return replace(weigh(w, spec, base, tried, prediction, headroom=model.heldout_mape), simulated=True)
 
 
 def rules_only(rule: Move | None, why: str) -> Choice:
@@ -209,10 +209,10 @@ def rules_only(rule: Move | None, why: str) -> Choice:
 
 
 def weigh(w: WindowStats, spec: Spec, base: Forecast, tried: Sequence[tuple[Move, Forecast]],
-          prediction: dict[str, Any]) -> Choice:
-    """The best candidate if it beats the knobs in force by the margin (a give-back: if it loses
-    nothing and keeps the targets), else hold."""
-    best, after = pick(tried, spec)
+          prediction: dict[str, Any], headroom: float = 0.0) -> Choice:
+    """The best candidate (`pick`, with `headroom`) if it beats the knobs in force by the margin
+    (a give-back: if it loses nothing and keeps the targets), else hold."""
+    best, after = pick(tried, spec, headroom)
     if not any(over_targets(w, spec)):  # the rules give a raise back
         wins = after.attainment >= base.attainment and after.worst_ratio(spec) <= 1
     else:
@@ -226,15 +226,17 @@ def weigh(w: WindowStats, spec: Spec, base: Forecast, tried: Sequence[tuple[Move
     return Choice(best, f"{best.reason}; {verdict}", prediction)
 
 
-def pick(tried: Sequence[tuple[Move, Forecast]], spec: Spec) -> tuple[Move, Forecast]:
+def pick(tried: Sequence[tuple[Move, Forecast]], spec: Spec, headroom: float = 0.0) -> tuple[Move, Forecast]:
     """The first move among those predicted within TIE of the best attainment that keeps every
-    target (candidates come the rules' own step first, then each knob's steps smallest first),
-    else the one of those nearest its targets. A bigger step than needed buys nothing the window
-    shows and may cost what it does not: a chunk cut deeper than the ITL target needs slows the
-    long prompts that come next."""
+    target with `headroom` to spare (candidates come the rules' own step first, then each knob's
+    steps smallest first), else the one of those nearest its targets. A bigger step than needed
+    buys nothing the window shows and may cost what it does not: a chunk cut deeper than the ITL
+    target needs slows the long prompts that come next. The headroom is the step-time model's
+    held-out error: a p99 predicted just under its target by less than the model's own error is
+    not counted as kept (a step that falls short costs a round of cooldown before the next)."""
     top = max(f.attainment for _, f in tried)
     near = [(m, f) for m, f in tried if f.attainment >= top - TIE]
-    keeping = [(m, f) for m, f in near if f.worst_ratio(spec) <= 1]
+    keeping = [(m, f) for m, f in near if f.worst_ratio(spec) * (1 + headroom) <= 1]
     return keeping[0] if keeping else min(near, key=lambda mf: mf[1].worst_ratio(spec))
 
 
