@@ -5,9 +5,10 @@
    fitted, not compared), then set knobs A and record the workload once.
 2. Fit the step-time model on that run's iterations (appliance.sim), and predict the workload at A
    and at the other settings by replay (no traffic).
-3. Measure every setting live, twice, alternating (A B C D E, then E D C B A) so drift hits all
-   alike, and print per metric: the prediction's absolute percentage error against the mean of
-   the two live runs, beside the run-to-run spread |m1 - m2| / mean of those two runs.
+3. Measure every setting live --repeats times (default 3), alternating (A B C D E, then
+   E D C B A, then A B C D E ...) so drift hits all alike, and print per metric: the
+   prediction's absolute percentage error against the mean of the live runs, beside their
+   run-to-run spread (max - min) / mean.
 4. The model's step-time error on every live run's own iterations is printed as "step drift"
    (recorded / predicted step seconds): when the machine's speed moved between the fit and a
    measurement, it says so, and the "refit" column gives the error of a prediction made from a
@@ -18,7 +19,7 @@
 
 Also prints the replay speed: a 200-request replay, and a 50-point simulated sweep.
 
-    .venv/bin/python benchmarks/simulator_accuracy.py [-n 24] [--max-output 64] [--rate 2] [--dtype float32]
+    .venv/bin/python benchmarks/simulator_accuracy.py [-n 24] [--max-output 64] [--rate 2] [--repeats 3] [--dtype float32]
 """
 
 from __future__ import annotations
@@ -105,8 +106,11 @@ def main() -> int:
     parser.add_argument("--max-output", type=int, default=64, help="cap on each request's output length")
     parser.add_argument("--rate", type=float, default=2.0, help="Poisson arrivals per second")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=3, help="live runs of each setting (at least 2)")
     parser.add_argument("--dtype", default="float32")
     args = parser.parse_args()
+    if args.repeats < 2:
+        parser.error(f"--repeats {args.repeats}: each setting is measured at least twice")
     requests = [replace(r, output_len=min(r.output_len, args.max_output)) for r in skewed(64, 0)[: args.num_requests]]
 
     with server_process("--dtype", args.dtype, "--max-num-seqs", "64", "--max-num-batched-tokens", "512") as srv:
@@ -120,7 +124,7 @@ def main() -> int:
         print(f"fitted on {model.rows_used + model.rows_held_out} iterations: {model.method}, held-out error "
               f"{model.heldout_mape * 100:.1f} %, gap {model.gap_s * 1000:.2f} ms", file=sys.stderr, flush=True)
         predicted = {name: predict(model, base_run, requests, args.rate, args.seed, name) for name in SETTINGS}
-        order = list(SETTINGS) + list(reversed(SETTINGS))
+        order = [name for i in range(args.repeats) for name in (list(SETTINGS) if i % 2 == 0 else reversed(SETTINGS))]
         live: dict[str, list[BenchmarkRun]] = {name: [] for name in SETTINGS}
         refit: dict[str, list[Any]] = {name: [] for name in SETTINGS}
         drift: dict[str, list[float]] = {name: [] for name in SETTINGS}
@@ -136,10 +140,12 @@ def main() -> int:
     print(f"\nsimulator accuracy: skewed n={args.num_requests} (outputs <= {args.max_output}) at Poisson {args.rate:g}/s, {args.dtype}; fitted "
           f"on one run at A ({model.rows_used + model.rows_held_out} iterations, held-out step error "
           f"{model.heldout_mape * 100:.1f} %); A = {BASE}")
-    print("APE % = |predicted - mean of 2 live runs| / mean; spread % = |live1 - live2| / mean; "
-          "refit % = APE of the mean prediction from models refitted on the run measured just before\n")
-    header = f"{'setting':<22}{'metric':<12}{'predicted':>11}{'live 1':>10}{'live 2':>10}{'APE %':>8}" \
-             f"{'spread %':>10}{'refit %':>9}{'target %':>10}"
+    print(f"APE % = |predicted - mean of {args.repeats} live runs| / mean; spread % = (max - min of the live "
+          "runs) / mean; refit % = APE of the mean prediction from models refitted on the run measured just "
+          "before each\n")
+    lives = "".join(f"{f'live {i + 1}':>10}" for i in range(args.repeats))
+    header = (f"{'setting':<22}{'metric':<12}{'predicted':>11}{lives}"
+              f"{'APE %':>8}{'spread %':>10}{'refit %':>9}{'target %':>10}")
     print(header)
     worst: dict[str, list[float]] = {m: [] for m in METRICS}
     refitted: dict[str, list[float]] = {m: [] for m in METRICS}
@@ -148,13 +154,14 @@ def main() -> int:
         drifted = any(abs(x - 1) > DRIFT_NOTE for x in drift[name])
         for metric, get in METRICS.items():
             p = get(predicted[name])
-            m1, m2 = (get(r.load.summary) for r in live[name])
-            mean = (m1 + m2) / 2
+            measured = [get(r.load.summary) for r in live[name]]
+            mean = statistics.fmean(measured)
             error = ape(p, mean)
             refit_mean = statistics.fmean(get(s) for s in refit[name])
             scale = 1 if metric == "throughput" else 1000
-            print(f"{name:<22}{metric:<12}{p * scale:>11.1f}{m1 * scale:>10.1f}{m2 * scale:>10.1f}{pct(error):>8}"
-                  f"{pct(abs(m1 - m2) / mean):>10}{pct(ape(refit_mean, mean)):>9}{TARGETS[metric] * 100:>10.0f}")
+            print(f"{name:<22}{metric:<12}{p * scale:>11.1f}" + "".join(f"{m * scale:>10.1f}" for m in measured)
+                  + f"{pct(error):>8}{pct((max(measured) - min(measured)) / mean):>10}{pct(ape(refit_mean, mean)):>9}"
+                  f"{TARGETS[metric] * 100:>10.0f}")
             if error is not None:
                 worst[metric].append(error)
             if (refit_error := ape(refit_mean, mean)) is not None:
@@ -163,7 +170,7 @@ def main() -> int:
                 protocol[metric].append(chosen)
         d = drift[name]
         note = "  <- the machine's speed moved since the fit" if drifted else ""
-        print(f"{name:<22}{'step drift':<12}{'':>11}{d[0]:>10.2f}{d[1]:>10.2f}{note}")
+        print(f"{name:<22}{'step drift':<12}{'':>11}" + "".join(f"{x:>10.2f}" for x in d) + note)
     for label, errors in (("fitted at A", worst), ("refitted next to each measurement", refitted),
                           ("refitted where the machine's speed moved, else fitted at A", protocol)):
         print(f"\nmean APE per metric over the settings, {label}: " + ", ".join(

@@ -475,8 +475,8 @@ def test_a_move_records_its_reason_and_prediction_in_knob_history_and_the_store(
 
 def test_simulations_run_in_a_worker_process_at_the_lowest_priority_and_decide_the_same():
     """The server's autopilot replays in a process of its own (never holding the GIL the engine
-    thread needs), niced to 19; its choice is the one made in-thread; a dead worker turns the
-    autopilot off with the error and raises nothing."""
+    thread needs), niced to 19 and started when the autopilot is switched on; its choice is the one
+    made in-thread; a dead worker turns the autopilot off with the error and raises nothing."""
     import os
     import signal
 
@@ -488,11 +488,14 @@ def test_simulations_run_in_a_worker_process_at_the_lowest_priority_and_decide_t
     worker = ChoiceWorker()
     try:
         ap, engine = pilot("ttft_p99=1s,max_num_seqs=2..16", fixed=FIXED, window_s=300, worker=worker, max_num_seqs=2)
+        ap.configure(enabled=True)  # switched on: the worker (and its imports) start at once, before any decision
+        started = worker.pid()
+        assert started is not None and ap.view()["last_decision"] is None
         scripted_window(ap, engine.knobs, true_engine())
         move = ap.tick(end + 1)
         assert move is not None and move.changes == expected.changes and move.reason == expected.reason
         pid = worker.pid()
-        assert pid is not None and pid != os.getpid() and os.getpriority(os.PRIO_PROCESS, pid) == 19
+        assert pid == started and pid != os.getpid() and os.getpriority(os.PRIO_PROCESS, pid) == 19
         os.kill(pid, signal.SIGKILL)  # the worker dies: the next simulated decision fails
         scripted_window(ap, engine.knobs, true_engine())
         assert ap.tick(end + 100) is None

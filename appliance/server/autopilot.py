@@ -101,6 +101,7 @@ class Autopilot(StatsSink):
                 self.status = "watching" if enabled else "off"
                 if enabled:
                     self.error = None
+                    self._start_worker()
 
     def view(self) -> dict[str, Any]:
         with self._lock:
@@ -201,6 +202,13 @@ class Autopilot(StatsSink):
 
         self._thread = threading.Thread(target=run, name="autopilot", daemon=True)
         self._thread.start()
+        if self.enabled:
+            self._start_worker()
+
+    def _start_worker(self) -> None:
+        """Start the simulations' worker (and its imports) as soon as the autopilot is on."""
+        if self._worker is not None and self._fixed is not None:
+            self._worker.start()
 
     def stop(self, timeout: float = 5.0) -> None:
         self._stop.set()

@@ -4,7 +4,10 @@ A round of replays is seconds of pure Python. Run in the server's process it hol
 the engine thread takes back after every tensor op, so each engine step it overlaps stalls by
 hundreds of milliseconds: a stall in every stream in flight, once per round (measured with
 benchmarks/autopilot.py: decode-only steps of 200-470 ms, one every ~10 s, against 30-45 ms
-otherwise). In a worker process at nice 19 it takes only the CPU the engine leaves.
+otherwise). In a worker process at nice 19 it takes only the CPU the engine leaves. The worker
+lowers its priority before it imports anything heavy (the simulator, numpy, torch): those imports
+are a second or two of CPU, and at normal priority, started at the autopilot's first decision,
+they stalled the steps of the streams then in flight by up to 300 ms.
 """
 
 from __future__ import annotations
@@ -20,16 +23,26 @@ TIMEOUT_S = 120.0  # the first call also starts the worker (imports included)
 
 
 class ChoiceWorker:
-    """`choose` run in one spawned worker process, started at first use; `close` ends it. A worker
-    that dies or hangs raises here (the autopilot then turns itself off; serving goes on)."""
+    """`choose` run in one spawned worker process, started by `start` or at first use; `close`
+    ends it. A worker that dies or hangs raises here (the autopilot then turns itself off;
+    serving goes on)."""
 
     def __init__(self) -> None:
         self._pool: ProcessPoolExecutor | None = None
 
-    def choose(self, *args: Any, **kwargs: Any) -> Choice:
+    def start(self) -> None:
+        """Start the worker and its imports now, without waiting for them (the autopilot calls this
+        when it is switched on, so its first decision does not wait on them)."""
         if self._pool is None:
+            # os.nice is a builtin: unpickling it imports nothing, so it runs before any import of
+            # ours (the first job's function is unpickled after it)
             self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
-                                             initializer=_lowest_priority)
+                                             initializer=os.nice, initargs=(19,))
+            self._pool.submit(_import_choose)
+
+    def choose(self, *args: Any, **kwargs: Any) -> Choice:
+        self.start()
+        assert self._pool is not None
         return self._pool.submit(choose, *args, **kwargs).result(TIMEOUT_S)
 
     def pid(self) -> int | None:
@@ -43,5 +56,5 @@ class ChoiceWorker:
             self._pool = None
 
 
-def _lowest_priority() -> None:
-    os.nice(19)
+def _import_choose() -> None:
+    """A job whose unpickling in the worker imports this module, and so `choose` with it."""
