@@ -473,6 +473,19 @@ def test_a_move_records_its_reason_and_prediction_in_knob_history_and_the_store(
         ("admin", None, None), ("autopilot", move.reason, move.prediction)]
 
 
+def test_the_autopilots_choice_and_the_simulator_import_no_torch():
+    # the worker imports these when the autopilot is switched on, under traffic: torch's import
+    # alone is seconds of CPU on this box
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = "import sys, appliance.server.autopilot_worker, appliance.sim.whatif; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert out.stdout.strip() == "False"
+
+
 def test_simulations_run_in_a_worker_process_at_the_lowest_priority_and_decide_the_same():
     """The server's autopilot replays in a process of its own (never holding the GIL the engine
     thread needs), niced to 19 and started when the autopilot is switched on; its choice is the one

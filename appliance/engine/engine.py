@@ -20,7 +20,8 @@ from .config import DEFAULT_CPU_KV_MEMORY, EngineConfig, parse_bytes
 from .detokenizer import IncrementalDetokenizer
 from .knobs import Knobs, KnobState, KnobUpdate
 from .model_runner import ModelRunner, kv_cache_spec
-from .sampling import InvalidRequestError, SamplingParams, make_generator, sample
+from .sampler import make_generator, sample
+from .sampling import InvalidRequestError, SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Sequence, Status
 from .stats import (

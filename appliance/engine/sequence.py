@@ -10,12 +10,14 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from .detokenizer import IncrementalDetokenizer
 from .sampling import SamplingParams
 from .stats import FinishReason, RequestStats
+
+if TYPE_CHECKING:  # the simulator replays sequences without torch
+    import torch
 
 
 class Status(enum.Enum):
