@@ -514,6 +514,26 @@ def test_simulations_run_in_a_worker_process_at_the_lowest_priority_and_decide_t
         assert ap.tick(end + 100) is None
         view = ap.view()
         assert view["enabled"] is False and view["status"].startswith("off after an error: BrokenProcessPool")
+        ap.configure(enabled=True)  # switched on again: a fresh worker, which decides
+        fresh = worker.pid()
+        assert fresh is not None and fresh != pid
+        scripted_window(ap, engine.knobs, true_engine())
+        ap.tick(end + 200)
+        view = ap.view()
+        assert view["enabled"] is True and view["last_decision"]["at"] == end + 200 and worker.pid() == fresh
     finally:
         worker.close()
     assert worker.pid() is None
+
+
+def test_a_worker_that_cannot_start_turns_the_autopilot_off_and_raises_nothing():
+    class Unstartable:
+        def start(self):
+            raise OSError("no /dev/shm")
+
+    ap, engine = pilot("ttft_p99=1s,max_num_seqs=2..16", fixed=FIXED, window_s=300, worker=Unstartable(),
+                       max_num_seqs=2)
+    ap.configure(enabled=True)  # a PATCH: no exception reaches the route
+    view = ap.view()
+    assert view["enabled"] is False and view["status"] == "off after an error: OSError: no /dev/shm"
+    assert engine.version == 0

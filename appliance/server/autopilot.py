@@ -90,7 +90,8 @@ class Autopilot(StatsSink):
 
     # -- control --------------------------------------------------------------------------------
     def configure(self, enabled: bool | None = None, spec: Spec | None = None) -> None:
-        """Switch on/off and/or replace the spec; switching on needs a spec."""
+        """Switch on/off and/or replace the spec; switching on needs a spec, and starts the
+        simulations' worker."""
         with self._lock:
             if spec is not None:
                 self.spec = spec
@@ -101,7 +102,8 @@ class Autopilot(StatsSink):
                 self.status = "watching" if enabled else "off"
                 if enabled:
                     self.error = None
-                    self._start_worker()
+        if enabled:
+            self._start_worker()
 
     def view(self) -> dict[str, Any]:
         with self._lock:
@@ -170,10 +172,7 @@ class Autopilot(StatsSink):
             return move
         except Exception as exc:  # noqa: BLE001 - a controller bug must never reach serving
             log.exception("autopilot failed; switching it off")
-            with self._lock:
-                self.enabled = False
-                self.error = f"{type(exc).__name__}: {exc}"
-                self.status = f"off after an error: {self.error}"
+            self._turn_off(exc)
             return None
 
     def _choose(self, iterations: list[IterationStats], requests: list[RequestStats], knobs: Any, spec: Spec,
@@ -200,15 +199,27 @@ class Autopilot(StatsSink):
             while not self._stop.wait(interval_s):
                 self.tick()
 
-        self._thread = threading.Thread(target=run, name="autopilot", daemon=True)
-        self._thread.start()
         if self.enabled:
             self._start_worker()
+        self._thread = threading.Thread(target=run, name="autopilot", daemon=True)
+        self._thread.start()
 
     def _start_worker(self) -> None:
-        """Start the simulations' worker (and its imports) as soon as the autopilot is on."""
-        if self._worker is not None and self._fixed is not None:
+        """Start the simulations' worker (and its imports) as soon as the autopilot is on; a
+        worker that cannot start turns the autopilot off, as any controller error does."""
+        if self._worker is None or self._fixed is None:
+            return
+        try:
             self._worker.start()
+        except Exception as exc:  # noqa: BLE001 - never reaches serving (a PATCH or the server's start)
+            log.exception("the autopilot's worker did not start; switching it off")
+            self._turn_off(exc)
+
+    def _turn_off(self, exc: BaseException) -> None:
+        with self._lock:
+            self.enabled = False
+            self.error = f"{type(exc).__name__}: {exc}"
+            self.status = f"off after an error: {self.error}"
 
     def stop(self, timeout: float = 5.0) -> None:
         self._stop.set()

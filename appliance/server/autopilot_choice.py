@@ -5,7 +5,8 @@ the best predicted SLO attainment is chosen only if it beats the knobs in force 
 (hysteresis). Too few iterations to fit, or a replay of the knobs in force that misses the
 attainment measured on the same requests by more than CALIBRATION: the rules alone decide (the
 reason says so). A replay that cannot run: hold. Replays are bounded (the newest MAX_REQUESTS requests, a time budget
-checked between replays) and run in the caller's thread (the autopilot's, never the engine's).
+checked between replays) and run where the caller runs `choose` (in the server: a worker process
+at nice 19, `autopilot_worker`; never the engine's thread).
 """
 
 from __future__ import annotations
@@ -211,10 +212,10 @@ def rules_only(rule: Move | None, why: str) -> Choice:
 def weigh(w: WindowStats, spec: Spec, base: Forecast, tried: Sequence[tuple[Move, Forecast]],
           prediction: dict[str, Any], headroom: float = 0.0) -> Choice:
     """The best candidate (`pick`, with `headroom`) if it beats the knobs in force by the margin
-    (a give-back: if it loses nothing and keeps the targets), else hold."""
+    (a give-back: if it loses nothing and keeps the targets with `headroom` to spare), else hold."""
     best, after = pick(tried, spec, headroom)
     if not any(over_targets(w, spec)):  # the rules give a raise back
-        wins = after.attainment >= base.attainment and after.worst_ratio(spec) <= 1
+        wins = after.attainment >= base.attainment and after.worst_ratio(spec) * (1 + headroom) <= 1
     else:
         wins = (after.attainment >= base.attainment + MARGIN
                 or (after.attainment >= base.attainment

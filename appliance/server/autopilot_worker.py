@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import threading
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
 from .autopilot_choice import Choice, choose
@@ -25,35 +27,52 @@ TIMEOUT_S = 120.0  # the first call also starts the worker (imports included)
 class ChoiceWorker:
     """`choose` run in one spawned worker process, started by `start` or at first use; `close`
     ends it. A worker that dies or hangs raises here (the autopilot then turns itself off;
-    serving goes on)."""
+    serving goes on) and is let go: the next `start` makes a fresh one."""
 
     def __init__(self) -> None:
         self._pool: ProcessPoolExecutor | None = None
+        self._lock = threading.Lock()  # the autopilot's thread and a PATCH may both start it
 
-    def start(self) -> None:
+    def start(self) -> ProcessPoolExecutor:
         """Start the worker and its imports now, without waiting for them (the autopilot calls this
-        when it is switched on, so its first decision does not wait on them)."""
-        if self._pool is None:
-            # os.nice is a builtin: unpickling it imports nothing, so it runs before any import of
-            # ours (the first job's function is unpickled after it)
-            self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
-                                             initializer=os.nice, initargs=(19,))
-            self._pool.submit(_import_choose)
+        when it is switched on, so its first decision does not wait on them); the pool."""
+        with self._lock:
+            if self._pool is None:
+                # os.nice is a builtin: unpickling it imports nothing, so the worker lowers its
+                # priority before the first job's function (this module, the simulator) is
+                # unpickled; spawn re-runs only the parent's main module first (`appliance.cli`,
+                # whose top level imports argparse and sys alone)
+                pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
+                                           initializer=os.nice, initargs=(19,))
+                try:
+                    pool.submit(_import_choose)
+                except BaseException:
+                    pool.shutdown(wait=False, cancel_futures=True)
+                    raise
+                self._pool = pool
+            return self._pool
 
     def choose(self, *args: Any, **kwargs: Any) -> Choice:
-        self.start()
-        assert self._pool is not None
-        return self._pool.submit(choose, *args, **kwargs).result(TIMEOUT_S)
+        pool = self.start()
+        try:
+            return pool.submit(choose, *args, **kwargs).result(TIMEOUT_S)
+        except (BrokenProcessPool, TimeoutError):
+            with self._lock:
+                if self._pool is pool:
+                    self._pool = None
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
 
     def pid(self) -> int | None:
-        """The worker's PID once it runs (None before the first call)."""
+        """The worker's PID once it runs (None before `start` or the first call)."""
         processes = getattr(self._pool, "_processes", None) or {}
         return next(iter(processes), None)
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool = None
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _import_choose() -> None:
