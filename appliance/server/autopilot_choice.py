@@ -59,6 +59,10 @@ class Forecast:
         pairs = ((self.ttft_p99, spec.targets.get("ttft_p99")), (self.itl_p99, spec.targets.get("itl_p99")))
         return max((v / t for v, t in pairs if v is not None and t), default=0.0)
 
+    def keeps(self, spec: Spec, headroom: float = 0.0) -> bool:
+        """Every target predicted kept, with `headroom` (a share of each target) to spare."""
+        return self.worst_ratio(spec) * (1 + headroom) <= 1
+
     def text(self) -> str:
         ms = lambda v: "-" if v is None else f"{v * 1000:.0f} ms"  # noqa: E731
         return f"attainment {self.attainment:.0%}, TTFT p99 {ms(self.ttft_p99)}, ITL p99 {ms(self.itl_p99)}"
@@ -156,7 +160,8 @@ def choose(iterations: Sequence[IterationStats], requests: Sequence[RequestStats
            clock: Callable[[], float] = time.perf_counter) -> Choice:
     """The move for this window (see the module docstring). `fixed`: GET /admin/knobs' fixed
     settings (the cache shape and the engine the step-time model is keyed on)."""
-    w = window_stats(iterations, requests)
+    gaps = DecodeGaps.of(iterations)
+    w = window_stats(iterations, requests, gaps)
     if w.requests < MIN_REQUESTS:
         return Choice(None, f"hold: {w.requests} finished request(s) in the window, at least {MIN_REQUESTS} needed")
     moves = candidates(w, knobs, spec, last_raise)
@@ -171,7 +176,7 @@ def choose(iterations: Sequence[IterationStats], requests: Sequence[RequestStats
     slo = SLO(ttft=spec.targets.get("ttft_p99"), itl=spec.targets.get("itl_p99"))
     done = replayable(requests)
     reqs = sim_requests(done)
-    measured = measured_attainment(done, slo, DecodeGaps.of(iterations))
+    measured = measured_attainment(done, slo, gaps)
     started = clock()
 
     def forecast(k: Knobs) -> Forecast:
@@ -215,7 +220,7 @@ def weigh(w: WindowStats, spec: Spec, base: Forecast, tried: Sequence[tuple[Move
     (a give-back: if it loses nothing and keeps the targets with `headroom` to spare), else hold."""
     best, after = pick(tried, spec, headroom)
     if not any(over_targets(w, spec)):  # the rules give a raise back
-        wins = after.attainment >= base.attainment and after.worst_ratio(spec) * (1 + headroom) <= 1
+        wins = after.attainment >= base.attainment and after.keeps(spec, headroom)
     else:
         wins = (after.attainment >= base.attainment + MARGIN
                 or (after.attainment >= base.attainment
@@ -237,7 +242,7 @@ def pick(tried: Sequence[tuple[Move, Forecast]], spec: Spec, headroom: float = 0
     not counted as kept (a step that falls short costs a round of cooldown before the next)."""
     top = max(f.attainment for _, f in tried)
     near = [(m, f) for m, f in tried if f.attainment >= top - TIE]
-    keeping = [(m, f) for m, f in near if f.worst_ratio(spec) * (1 + headroom) <= 1]
+    keeping = [(m, f) for m, f in near if f.keeps(spec, headroom)]
     return keeping[0] if keeping else min(near, key=lambda mf: mf[1].worst_ratio(spec))
 
 

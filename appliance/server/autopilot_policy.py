@@ -162,14 +162,17 @@ def worst_gaps(requests: Sequence[RequestStats], gaps: DecodeGaps) -> list[float
     return [max(g) for r in requests if r.first_token is not None and (g := gaps.of_request(r.first_token, r.finished))]
 
 
-def window_stats(iterations: Sequence[IterationStats], requests: Sequence[RequestStats]) -> WindowStats:
-    """The window as the rules read it. ITL p99 is the p99 over requests of their worst stall, so
-    that, like TTFT p99, a target met means at most 1 % of requests missed it."""
+def window_stats(iterations: Sequence[IterationStats], requests: Sequence[RequestStats],
+                 gaps: DecodeGaps | None = None) -> WindowStats:
+    """The window as the rules read it (`gaps`: the iterations' DecodeGaps, when the caller has
+    them). ITL p99 is the p99 over requests of their worst stall, so that, like TTFT p99, a target
+    met means at most 1 % of requests missed it."""
     ttft = [r.first_token - r.arrival for r in requests if r.first_token is not None]
     held = {c: sum(getattr(it, c.column) * it.duration_s for it in iterations) for c in HoldCause}
     kv = max((it.kv_blocks_used / it.kv_blocks_total for it in iterations if it.kv_blocks_total), default=0.0)
     prefill = sum(1 for it in iterations if it.prefill_tokens > 0)
-    return WindowStats(len(requests), p99(ttft), p99(worst_gaps(requests, DecodeGaps.of(iterations))), held, kv,
+    gaps = DecodeGaps.of(iterations) if gaps is None else gaps
+    return WindowStats(len(requests), p99(ttft), p99(worst_gaps(requests, gaps)), held, kv,
                        prefill / len(iterations) if iterations else 0.0, max((it.running for it in iterations), default=0))
 
 

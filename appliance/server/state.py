@@ -16,8 +16,8 @@ from ..engine import AsyncEngine, IterationStats, KnobChange, LLMEngine, Request
 from ..engine.knobs import KnobSnapshot
 from ..records import StrEnum
 from .autopilot import Autopilot, loop_apply
-from .autopilot_worker import ChoiceWorker
 from .autopilot_policy import parse_spec
+from .autopilot_worker import ChoiceWorker
 from .errors import APIError, ServerErrorCode
 from .metrics import ServerMetrics
 from .protocol import build_request_models
