@@ -440,6 +440,63 @@ def test_the_simulating_autopilot_stops_when_off_and_yields_to_a_manual_change()
     assert engine.knobs.max_num_seqs == 3 and ap.view()["last_decision"] is None
 
 
+def stalling_window(ap: Autopilot, n: int = 200, outlier: bool = False) -> float:
+    """`n` back-to-back steps of a known engine (step = 30 ms + 4 ms per decode row + 0.5 ms per
+    prefill token + 10 ms per prefill chunk + 1 us per context token), every 10th carrying one
+    prompt's prefill chunk of 90-256 tokens beside 2-6 decode rows, and two finished requests
+    (too few to replay). `outlier`: every chunk is 64 tokens (no step over 111 ms), and one such
+    step instead takes 300 ms (the machine, not its composition). Returns the last step's end."""
+    t = T0
+    for i in range(n):
+        rows, prefill = 2 + (i // 3) % 5, (0 if i % 10 else (256, 200, 90, 256)[(i // 10) % 4])
+        if outlier and prefill:
+            prefill = 64
+        ctx = 1000 + 10 * i
+        duration = 0.03 + 0.004 * rows + 0.0005 * prefill + 0.01 * (prefill > 0) + 1e-6 * ctx
+        if outlier and i == n // 2:
+            prefill, duration = 64, 0.3
+        base = {m.name: 0 for m in ITERATION_METRICS}
+        base.update(started_at=t, duration_s=duration, policy="continuous", kv_blocks_total=100, decode_seqs=rows,
+                    decode_tokens=rows, prefill_seqs=int(prefill > 0), prefill_tokens=prefill, decode_context_tokens=ctx)
+        ap.on_iteration(IterationStats(**base))
+        t += duration
+    for i in range(2):
+        ap.on_request(request(T0 + i, 0.1))
+    return t
+
+
+@pytest.mark.parametrize("itl_ms, chunk", [(150, 128), (100, 64)])
+def test_prefill_stalls_cut_the_chunk_before_enough_requests_finish_to_replay(itl_ms, chunk):
+    # a 256-token step with 2-6 decode rows takes 177-195 ms; with 128-token chunks 113-131 ms, with 64 81-99 ms
+    ap, engine = pilot(f"ttft_p99=5s,itl_p99={itl_ms}ms,long_prefill_token_threshold=32..256", fixed=FIXED,
+                       window_s=300, long_prefill_token_threshold=256)
+    end = stalling_window(ap)
+    assert ap.tick(end + 1) is not None and engine.knobs.long_prefill_token_threshold == chunk
+    last = ap.view()["moves"][-1]
+    assert last["reason"].startswith(f"long_prefill_token_threshold 256→{chunk}: ")
+    assert "step(s) carrying prefill chunks kept decode rows waiting up to" in last["reason"]
+    predicted = last["prediction"]["predicted_step_s"]
+    assert predicted[str(chunk)] <= itl_ms / 1000 < predicted["256"]
+    assert all(predicted[c] > itl_ms / 1000 for c in predicted if int(c) > chunk)  # the largest chunk that keeps it
+
+
+def test_a_prefill_stall_the_step_time_model_does_not_predict_moves_nothing():
+    ap, engine = pilot("ttft_p99=5s,itl_p99=150ms", fixed=FIXED, window_s=300, long_prefill_token_threshold=256)
+    end = stalling_window(ap, outlier=True)
+    assert ap.tick(end + 1) is None and engine.version == 0
+    reason = ap.view()["last_decision"]["reason"]
+    assert reason.startswith("hold: 1 step(s) carrying prefill chunks kept decode rows waiting up to 300 ms")
+    assert reason.endswith("the stall is not the chunk's")
+
+
+def test_a_prefill_stall_at_the_chunks_lower_bound_holds():
+    ap, engine = pilot("ttft_p99=5s,itl_p99=150ms,long_prefill_token_threshold=256..512", fixed=FIXED,
+                       window_s=300, long_prefill_token_threshold=256)
+    end = stalling_window(ap)
+    assert ap.tick(end + 1) is None and engine.version == 0
+    assert ap.view()["last_decision"]["reason"].endswith("the chunk is at its bound")
+
+
 def test_a_replay_that_misses_the_measured_attainment_leaves_the_choice_to_the_rules():
     ap, engine = pilot("ttft_p99=1s,max_num_seqs=2..16", fixed=FIXED, window_s=300, max_num_seqs=2)
     end = scripted_window(ap, engine.knobs, true_engine(), rate=2.5)

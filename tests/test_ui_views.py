@@ -529,8 +529,7 @@ def test_the_autopilot_status_shows_targets_last_move_and_why_it_turned_itself_o
     from appliance.engine import Knobs
     from appliance.engine.knobs import KnobSnapshot
     from appliance.server.autopilot import Autopilot
-    from appliance.server.autopilot_choice import Choice
-    from appliance.server.autopilot_policy import Move, parse_spec
+    from appliance.server.autopilot_policy import Choice, Move, parse_spec
 
     spec = parse_spec("ttft_p99=1s,itl_p99=150ms,max_num_seqs=8..128")
     view = {"enabled": True, "status": "watching", "error": None, "spec": spec.as_dict(),

@@ -27,8 +27,8 @@ from typing import Any
 from ..engine import StatsSink
 from ..engine.knobs import KnobConflict, KnobSnapshot
 from ..records import IterationStats, KnobChange, RequestStats
-from .autopilot_choice import Choice, choose
-from .autopilot_policy import Move, Spec, decide, window_stats
+from .autopilot_choice import choose
+from .autopilot_policy import Choice, Move, Spec, decide, window_stats
 from .autopilot_worker import ChoiceWorker
 
 log = logging.getLogger(__name__)

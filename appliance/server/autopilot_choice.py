@@ -4,7 +4,9 @@ window's finished requests under the knobs in force and under each candidate; th
 the best predicted SLO attainment is chosen only if it beats the knobs in force by a margin
 (hysteresis). Too few iterations to fit, or a replay of the knobs in force that misses the
 attainment measured on the same requests by more than CALIBRATION: the rules alone decide (the
-reason says so). A replay that cannot run: hold. Replays are bounded (the newest MAX_REQUESTS requests, a time budget
+reason says so). A replay that cannot run: hold. Too few finished requests to replay: a prefill
+stall over the ITL target already seen in the iterations cuts the chunk (autopilot_stalls), else
+hold. Replays are bounded (the newest MAX_REQUESTS requests, a time budget
 checked between replays) and run where the caller runs `choose` (in the server: a worker process
 at nice 19, `autopilot_worker`; never the engine's thread).
 """
@@ -23,8 +25,9 @@ from appliance.records import COMPLETED_REASONS, FinishReason, HoldCause, Iterat
 from appliance.sim.fit import MIN_ROWS, EngineKey, FitError, fit_step_time
 from appliance.sim.replay import CacheShape, ReplayError, SimRequest, replay
 
-from .autopilot_policy import (MIN_REQUESTS, DecodeGaps, Move, Spec, WindowStats, bounded_move, decide, p99,
+from .autopilot_policy import (MIN_REQUESTS, Choice, DecodeGaps, Move, Spec, WindowStats, bounded_move, decide, p99,
                                window_stats)
+from .autopilot_stalls import chunk_cut
 
 MARGIN = 0.05  # a candidate must raise the predicted attainment by this share of requests...
 P99_MARGIN = 0.2  # ...or, at no loss of attainment, cut the worst target's predicted p99 by this share
@@ -66,17 +69,6 @@ class Forecast:
     def text(self) -> str:
         ms = lambda v: "-" if v is None else f"{v * 1000:.0f} ms"  # noqa: E731
         return f"attainment {self.attainment:.0%}, TTFT p99 {ms(self.ttft_p99)}, ITL p99 {ms(self.itl_p99)}"
-
-
-@dataclass(frozen=True)
-class Choice:
-    """The decision: a move (or None: hold), why, and the prediction behind it (None: the rules
-    decided alone, or nothing was simulated)."""
-
-    move: Move | None
-    reason: str
-    prediction: dict[str, Any] | None = None
-    simulated: bool = False  # a replay ran (the controller spaces these out)
 
 
 def over_targets(w: WindowStats, spec: Spec) -> tuple[bool, bool]:
@@ -163,7 +155,8 @@ def choose(iterations: Sequence[IterationStats], requests: Sequence[RequestStats
     gaps = DecodeGaps.of(iterations)
     w = window_stats(iterations, requests, gaps)
     if w.requests < MIN_REQUESTS:
-        return Choice(None, f"hold: {w.requests} finished request(s) in the window, at least {MIN_REQUESTS} needed")
+        return chunk_cut(iterations, knobs, spec, fixed) or Choice(
+            None, f"hold: {w.requests} finished request(s) in the window, at least {MIN_REQUESTS} needed")
     moves = candidates(w, knobs, spec, last_raise)
     if not moves:
         return Choice(None, "hold: " + (nothing_helps(w) if any(over_targets(w, spec)) else "targets met"))

@@ -187,6 +187,17 @@ class Move:
     reason: str
 
 
+@dataclass(frozen=True)
+class Choice:
+    """The decision: a move (or None: hold), why, and the prediction behind it (None: the rules
+    decided alone, or nothing was simulated)."""
+
+    move: Move | None
+    reason: str
+    prediction: dict[str, Any] | None = None
+    simulated: bool = False  # a replay ran (the controller spaces these out)
+
+
 def decide(w: WindowStats, knobs: Knobs, spec: Spec, last_raise: dict[str, int] | None = None) -> Move | None:
     """The one move for this window, or None. `last_raise`: {knob: value before} of the most
     recent raise still in force (what relaxing gives back)."""

@@ -19,7 +19,8 @@ from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
-from .autopilot_choice import Choice, choose
+from .autopilot_choice import choose
+from .autopilot_policy import Choice
 
 TIMEOUT_S = 120.0  # the first call also starts the worker (imports included)
 

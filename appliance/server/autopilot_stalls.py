@@ -1,0 +1,76 @@
+"""The autopilot's answer to prefill stalls before its window holds enough finished requests to
+replay (at the start, and after each move, whose window starts empty).
+
+A decode row waits for every step that also carries other prompts' prefill chunks; when such a
+step takes longer than the ITL target, every stream in flight misses it, and the iterations show
+that at once, long before five requests have finished. The chunk (long_prefill_token_threshold)
+bounds those steps: the step-time model fitted on the window's own iterations predicts the
+stalled step of the heaviest composition again with its prefill chunks capped at each halving of the chunk, at the 99th
+percentile of the fit's own spread (the target is a p99), and the largest chunk predicted under
+the target is the move. Stalls the model does not predict from their steps' composition (the
+machine, not the chunk) move nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from typing import Any
+
+from appliance.engine.knobs import Knobs
+from appliance.records import IterationStats
+from appliance.sim.fit import EngineKey, FitError, composition_of, fit_step_time
+
+from .autopilot_policy import Choice, Spec, bounded_move
+
+KNOB = "long_prefill_token_threshold"
+TAIL = 0.99  # the quantile of the fit's spread a stall is predicted at
+
+
+def stalled_steps(iterations: Sequence[IterationStats], target: float) -> list[tuple[IterationStats, float]]:
+    """The steps that carried prefill chunks and kept their decode rows waiting longer than
+    `target` (from the previous step's end to their own), with that wait."""
+    its = sorted(iterations, key=lambda it: it.started_at)
+    waits = ((it, it.started_at + it.duration_s - (prev.started_at + prev.duration_s)) for prev, it in zip(its, its[1:]))
+    return [(it, wait) for it, wait in waits if it.prefill_tokens > 0 and it.decode_tokens > 0 and wait > target]
+
+
+def chunk_cut(iterations: Sequence[IterationStats], knobs: Knobs, spec: Spec,
+              fixed: Mapping[str, Any]) -> Choice | None:
+    """The choice for a window whose prefill steps stalled decoding past the ITL target (`fixed`:
+    the engine's fixed settings, which key the step-time model); None when there is no ITL target
+    or no such stall."""
+    target = spec.targets.get("itl_p99")
+    stalls = stalled_steps(iterations, target) if target else []
+    if not stalls:
+        return None
+    wait = max(w for _, w in stalls)
+    seen = f"{len(stalls)} step(s) carrying prefill chunks kept decode rows waiting up to {wait * 1000:.0f} ms " \
+           f"(ITL target {target * 1000:.0f} ms)"
+    try:
+        model = fit_step_time([it.as_dict() for it in iterations], EngineKey.from_fixed(fixed))
+    except FitError as exc:
+        return Choice(None, f"hold: {seen}, but {exc}")
+    # the stalled step whose composition the model predicts slowest (a hiccup of the machine
+    # may have made another one wait longer)
+    now = max((composition_of(it.as_dict()) for it, _ in stalls), key=model.predict)
+    tail = model.ratio(TAIL)
+    chunk = knobs.long_prefill_token_threshold
+    predicted = {chunk: model.predict(now) * tail}
+    if predicted[chunk] <= target:
+        return Choice(None, f"hold: {seen}; the step-time model predicts at most {predicted[chunk] * 1000:.0f} ms for "
+                            f"their compositions (p99 of its spread): the stall is not the chunk's")
+    lo = spec.bounds.get(KNOB, (1, 0))[0]
+    while chunk // 2 >= max(1, lo) and predicted[chunk] > target:
+        chunk //= 2
+        capped = replace(now, prefill_tokens=min(now.prefill_tokens, chunk * max(1, now.prefill_seqs)))
+        predicted[chunk] = model.predict(capped) * tail
+    prediction = {"stalled_steps": len(stalls), "worst_wait_s": wait, "model_heldout_mape": model.heldout_mape,
+                  "predicted_step_s": {str(c): t for c, t in predicted.items()}}
+    why = (f"{seen}; the step-time model (held-out error {model.heldout_mape:.0%}) predicts the heaviest at "
+           f"{predicted[chunk] * 1000:.0f} ms with {chunk}-token chunks (p99 of its spread)"
+           + ("" if predicted[chunk] <= target else ", over the target still: the deepest cut the bounds allow"))
+    move = bounded_move(knobs, spec, KNOB, chunk, why)
+    if move is None:
+        return Choice(None, f"hold: {seen}; the chunk is at its bound", prediction)
+    return Choice(move, move.reason, prediction)
