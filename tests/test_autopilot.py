@@ -497,6 +497,26 @@ def test_a_prefill_stall_at_the_chunks_lower_bound_holds():
     assert ap.view()["last_decision"]["reason"].endswith("the chunk is at its bound")
 
 
+def test_a_window_the_replay_cannot_explain_cuts_the_chunk_as_deep_as_its_stalls_call_for():
+    # six requests streamed through every stalled step (all missed the 100 ms target; the window's
+    # two short ones met it), while the
+    # prompts that stalled them are still in flight: replaying the finished ones alone predicts
+    # no stall, so the rules decide, and their halving of the chunk (to 128: 113-131 ms steps)
+    # goes as deep as the stalls call for (64)
+    ap, engine = pilot("ttft_p99=5s,itl_p99=100ms,long_prefill_token_threshold=32..256", fixed=FIXED,
+                       window_s=300, long_prefill_token_threshold=256)
+    end = stalling_window(ap)
+    for i in range(6):
+        arrival = T0 + 1 + 0.1 * i
+        ap.on_request(RequestStats(f"s{i}", "api", None, arrival, arrival, arrival + 0.1, end - 0.5, 8, 100,
+                                   "length", 0, 0))
+    assert ap.tick(end + 1) is not None and engine.knobs.long_prefill_token_threshold == 64
+    reason = ap.view()["moves"][-1]["reason"]
+    assert reason.startswith("long_prefill_token_threshold 256→64: ")
+    assert reason.endswith("[the replay is not used: the replay of the knobs in force predicts 100% within the "
+                           "targets, 25% was measured]")
+
+
 def test_a_replay_that_misses_the_measured_attainment_leaves_the_choice_to_the_rules():
     ap, engine = pilot("ttft_p99=1s,max_num_seqs=2..16", fixed=FIXED, window_s=300, max_num_seqs=2)
     end = scripted_window(ap, engine.knobs, true_engine(), rate=2.5)

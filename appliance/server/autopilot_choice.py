@@ -2,13 +2,15 @@
 operator's bounds); the what-if simulator, fitted on the window's own iterations, replays the
 window's finished requests under the knobs in force and under each candidate; the candidate with
 the best predicted SLO attainment is chosen only if it beats the knobs in force by a margin
-(hysteresis). Too few iterations to fit, or a replay of the knobs in force that misses the
-attainment measured on the same requests by more than CALIBRATION: the rules alone decide (the
-reason says so). A replay that cannot run: hold. Too few finished requests to replay: a prefill
-stall over the ITL target already seen in the iterations cuts the chunk (autopilot_stalls), else
-hold. Replays are bounded (the newest MAX_REQUESTS requests, a time budget
-checked between replays) and run where the caller runs `choose` (in the server: a worker process
-at nice 19, `autopilot_worker`; never the engine's thread).
+(hysteresis). Too few iterations to fit: the rules alone decide (the reason says so). A replay of
+the knobs in force that misses the attainment measured on the same requests by more than
+CALIBRATION: the same, except that a chunk cut of theirs goes as deep as the prefill stalls the
+iterations show call for (autopilot_stalls; a replay of the finished requests alone misses the
+stalls that requests still in flight caused). A replay that cannot run: hold. Too few finished
+requests to replay: such a stall cuts the chunk the same way, else hold. Replays are bounded
+(the newest MAX_REQUESTS requests, a time budget checked between replays) and run where the
+caller runs `choose` (in the server: a worker process at nice 19, `autopilot_worker`; never the
+engine's thread).
 """
 
 from __future__ import annotations
@@ -161,6 +163,16 @@ def choose(iterations: Sequence[IterationStats], requests: Sequence[RequestStats
     if not moves:
         return Choice(None, "hold: " + (nothing_helps(w) if any(over_targets(w, spec)) else "targets met"))
     rule = decide(w, knobs, spec, dict(last_raise or {}))
+
+    def unreplayed(why: str) -> Choice:
+        """The replay is not used (`why`): the rules decide, a chunk cut of theirs as deep as the
+        window's own prefill stalls call for (autopilot_stalls)."""
+        if rule is not None and "long_prefill_token_threshold" in rule.changes:
+            cut = chunk_cut(iterations, knobs, spec, fixed)
+            if cut is not None and cut.move is not None:
+                return replace(cut, reason=f"{cut.reason} [the replay is not used: {why}]")
+        return rules_only(rule, why)
+
     try:
         model = fit_step_time([it.as_dict() for it in iterations], EngineKey.from_fixed(fixed))
     except FitError as exc:
@@ -181,8 +193,8 @@ def choose(iterations: Sequence[IterationStats], requests: Sequence[RequestStats
     try:
         base = forecast(knobs)
         if abs(base.attainment - measured) > CALIBRATION:  # the window does not explain what was measured
-            return replace(rules_only(rule, f"the replay of the knobs in force predicts {base.attainment:.0%} "
-                                            f"within the targets, {measured:.0%} was measured"), simulated=True)
+            return replace(unreplayed(f"the replay of the knobs in force predicts {base.attainment:.0%} "
+                                      f"within the targets, {measured:.0%} was measured"), simulated=True)
         tried: list[tuple[Move, Forecast]] = []
         for m in moves:
             if clock() - started > budget_s:
