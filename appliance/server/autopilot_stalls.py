@@ -1,14 +1,16 @@
-"""The autopilot's answer to prefill stalls before its window holds enough finished requests to
-replay (at the start, and after each move, whose window starts empty).
+"""The autopilot's answer to prefill stalls it cannot replay: before its window holds enough
+finished requests (at the start, and after each move, whose window starts empty), and when the
+window's replay is not trusted (a replay of the finished requests alone misses the stalls that
+requests still in flight caused).
 
 A decode row waits for every step that also carries other prompts' prefill chunks; when such a
 step takes longer than the ITL target, every stream in flight misses it, and the iterations show
 that at once, long before five requests have finished. The chunk (long_prefill_token_threshold)
 bounds those steps: the step-time model fitted on the window's own iterations predicts the
-stalled step of the heaviest composition again with its prefill chunks capped at each halving of the chunk, at the 99th
-percentile of the fit's own spread (the target is a p99), and the largest chunk predicted under
-the target is the move. Stalls the model does not predict from their steps' composition (the
-machine, not the chunk) move nothing.
+stalled step of the heaviest composition again with its prefill chunks capped at each halving of
+the chunk, at the 99th percentile of the fit's own spread (the target is a p99), and the largest
+chunk predicted under the target is the move. Stalls the model does not predict from their
+steps' composition (the machine, not the chunk) move nothing.
 """
 
 from __future__ import annotations
