@@ -467,7 +467,7 @@ def stalling_window(ap: Autopilot, n: int = 200, outlier: bool = False) -> float
 
 @pytest.mark.parametrize("itl_ms, chunk", [(150, 128), (100, 64)])
 def test_prefill_stalls_cut_the_chunk_before_enough_requests_finish_to_replay(itl_ms, chunk):
-    # a 256-token step with 2-6 decode rows takes 177-195 ms; with 128-token chunks 113-131 ms, with 64 81-99 ms
+    # a 256-token step with 2-5 decode rows takes 177-191 ms; with 128-token chunks 113-127 ms, with 64 81-95 ms
     ap, engine = pilot(f"ttft_p99=5s,itl_p99={itl_ms}ms,long_prefill_token_threshold=32..256", fixed=FIXED,
                        window_s=300, long_prefill_token_threshold=256)
     end = stalling_window(ap)
@@ -475,18 +475,33 @@ def test_prefill_stalls_cut_the_chunk_before_enough_requests_finish_to_replay(it
     last = ap.view()["moves"][-1]
     assert last["reason"].startswith(f"long_prefill_token_threshold 256→{chunk}: ")
     assert "step(s) carrying prefill chunks kept decode rows waiting up to" in last["reason"]
-    predicted = last["prediction"]["predicted_step_s"]
+    predicted = last["prediction"]["predicted_wait_s"]
     assert predicted[str(chunk)] <= itl_ms / 1000 < predicted["256"]
-    assert all(predicted[c] > itl_ms / 1000 for c in predicted if int(c) > chunk)  # the largest chunk that keeps it
+    assert set(predicted) == {str(c) for c in (256, 128, 64) if c >= chunk}  # halvings, until one keeps it
 
 
-def test_a_prefill_stall_the_step_time_model_does_not_predict_moves_nothing():
+@pytest.mark.parametrize("n", [200, 30])
+def test_a_prefill_stall_the_step_time_model_does_not_predict_moves_nothing(n):
+    # in a small window (30 steps, 24 fitted) too, where the fit's p99 would be the stall itself
     ap, engine = pilot("ttft_p99=5s,itl_p99=150ms", fixed=FIXED, window_s=300, long_prefill_token_threshold=256)
-    end = stalling_window(ap, outlier=True)
+    end = stalling_window(ap, n=n, outlier=True)
     assert ap.tick(end + 1) is None and engine.version == 0
     reason = ap.view()["last_decision"]["reason"]
     assert reason.startswith("hold: 1 step(s) carrying prefill chunks kept decode rows waiting up to 300 ms")
     assert reason.endswith("the stall is not the chunk's")
+
+
+@pytest.mark.parametrize("bounds, itl_ms, floor", [("100..512", 100, 100), ("1..512", 45, 16)])
+def test_a_chunk_cut_goes_no_lower_than_the_bound_or_one_kv_block(bounds, itl_ms, floor):
+    # 100 ms: chunk 128 is over it (113-131 ms) and 64 would keep it, but the bound is 100 (over
+    # it too); 45 ms: the decode rows alone take 39-51 ms, so no chunk down to one 16-token KV
+    # block keeps it: neither cuts to what the target alone would ask
+    ap, engine = pilot(f"ttft_p99=5s,itl_p99={itl_ms}ms,long_prefill_token_threshold={bounds}", fixed=FIXED,
+                       window_s=300, long_prefill_token_threshold=256)
+    end = stalling_window(ap)
+    assert ap.tick(end + 1) is None and engine.version == 0
+    decision = ap.view()["last_decision"]["reason"]
+    assert f"no chunk down to {floor} tokens brings that step under the target" in decision
 
 
 def test_a_prefill_stall_at_the_chunks_lower_bound_holds():

@@ -10,7 +10,8 @@ bounds those steps: the step-time model fitted on the window's own iterations pr
 stalled step of the heaviest composition again with its prefill chunks capped at each halving of
 the chunk, at the 99th percentile of the fit's own spread (the target is a p99), and the largest
 chunk predicted under the target is the move. Stalls the model does not predict from their
-steps' composition (the machine, not the chunk) move nothing.
+steps' composition (the machine, not the chunk), or that no chunk down to the operator's lower
+bound (and never under one KV block) brings under the target, move nothing here.
 """
 
 from __future__ import annotations
@@ -26,7 +27,13 @@ from appliance.sim.fit import EngineKey, FitError, composition_of, fit_step_time
 from .autopilot_policy import Choice, Spec, bounded_move
 
 KNOB = "long_prefill_token_threshold"
-TAIL = 0.99  # the quantile of the fit's spread a stall is predicted at
+TAIL = 0.99  # the quantile of the fit's spread a stall is predicted at (the target is a p99)
+
+
+def tail_quantile(rows: int) -> float:
+    """TAIL, or lower in a window too small for it: at least two fitted rows lie above it, so one
+    hiccup of the machine (which may be the very stall in question) does not set it."""
+    return min(TAIL, 1 - 2 / max(rows, 3))
 
 
 def stalled_steps(iterations: Sequence[IterationStats], target: float) -> list[tuple[IterationStats, float]]:
@@ -54,25 +61,36 @@ def chunk_cut(iterations: Sequence[IterationStats], knobs: Knobs, spec: Spec,
     except FitError as exc:
         return Choice(None, f"hold: {seen}, but {exc}")
     # the stalled step whose composition the model predicts slowest (a hiccup of the machine
-    # may have made another one wait longer)
+    # may have made another one wait longer), as its decode rows wait for it: the step at the
+    # fit's tail, and the engine's gap before it
     now = max((composition_of(it.as_dict()) for it, _ in stalls), key=model.predict)
-    tail = model.ratio(TAIL)
+    tail = model.ratio(tail_quantile(model.rows_used))
+
+    def wait_at(chunk: int) -> float:
+        capped = replace(now, prefill_tokens=min(now.prefill_tokens, chunk * max(1, now.prefill_seqs)))
+        return model.predict(capped) * tail + model.gap_s
+
     chunk = knobs.long_prefill_token_threshold
-    predicted = {chunk: model.predict(now) * tail}
+    predicted = {chunk: wait_at(chunk)}
     if predicted[chunk] <= target:
         return Choice(None, f"hold: {seen}; the step-time model predicts at most {predicted[chunk] * 1000:.0f} ms for "
-                            f"their compositions (p99 of its spread): the stall is not the chunk's")
-    lo = spec.bounds.get(KNOB, (1, 0))[0]
-    while chunk // 2 >= max(1, lo) and predicted[chunk] > target:
-        chunk //= 2
-        capped = replace(now, prefill_tokens=min(now.prefill_tokens, chunk * max(1, now.prefill_seqs)))
-        predicted[chunk] = model.predict(capped) * tail
+                            f"their compositions (at the tail of its spread): the stall is not the chunk's")
+    # halvings down to the operator's lower bound, and never under one KV block (smaller chunks
+    # pay a step's fixed cost for a sliver of a prompt)
+    floor = max(1, spec.bounds.get(KNOB, (1, 0))[0], int(fixed.get("block_size") or 1))
+    while predicted[chunk] > target and (smaller := max(floor, chunk // 2)) < chunk:
+        chunk = smaller
+        predicted[chunk] = wait_at(chunk)
     prediction = {"stalled_steps": len(stalls), "worst_wait_s": wait, "model_heldout_mape": model.heldout_mape,
-                  "predicted_step_s": {str(c): t for c, t in predicted.items()}}
-    why = (f"{seen}; the step-time model (held-out error {model.heldout_mape:.0%}) predicts the heaviest at "
-           f"{predicted[chunk] * 1000:.0f} ms with {chunk}-token chunks (p99 of its spread)"
-           + ("" if predicted[chunk] <= target else ", over the target still: the deepest cut the bounds allow"))
-    move = bounded_move(knobs, spec, KNOB, chunk, why)
-    if move is None:
+                  "predicted_wait_s": {str(c): t for c, t in predicted.items()}}
+    if chunk == knobs.long_prefill_token_threshold:
         return Choice(None, f"hold: {seen}; the chunk is at its bound", prediction)
-    return Choice(move, move.reason, prediction)
+    if predicted[chunk] > target:
+        return Choice(None, f"hold: {seen}; no chunk down to {chunk} tokens brings that step under the target "
+                            f"(the step-time model predicts {predicted[chunk] * 1000:.0f} ms with {chunk}-token "
+                            f"chunks)", prediction)
+    move = bounded_move(knobs, spec, KNOB, chunk, f"{seen}; the step-time model (held-out error "
+                        f"{model.heldout_mape:.0%}) predicts the heaviest at {predicted[chunk] * 1000:.0f} ms with "
+                        f"{chunk}-token chunks (at the tail of its spread)")
+    return Choice(move, move.reason, prediction) if move else Choice(None, f"hold: {seen}; the chunk is at its bound",
+                                                                      prediction)
