@@ -10,7 +10,8 @@ bounds those steps: the step-time model fitted on the window's own iterations pr
 stalled step of the heaviest composition again with its prefill chunks capped at each halving of
 the chunk, at the 99th percentile of the fit's own spread (the target is a p99), and the largest
 chunk predicted under the target is the move. Stalls the model does not predict from their
-steps' composition (the machine, not the chunk), or that no chunk down to the operator's lower
+steps' composition, at a tail of its spread that one slow step cannot set (the machine, not the
+chunk), or that no chunk down to the operator's lower
 bound (and never under one KV block) brings under the target, move nothing here.
 """
 
@@ -32,7 +33,8 @@ TAIL = 0.99  # the quantile of the fit's spread a stall is predicted at (the tar
 
 def tail_quantile(rows: int) -> float:
     """TAIL, or lower in a window too small for it: at least two fitted rows lie above it, so one
-    hiccup of the machine (which may be the very stall in question) does not set it."""
+    hiccup of the machine (which may be the very stall in question) does not set it; for judging
+    whether a stall is the chunk's."""
     return min(TAIL, 1 - 2 / max(rows, 3))
 
 
@@ -62,25 +64,26 @@ def chunk_cut(iterations: Sequence[IterationStats], knobs: Knobs, spec: Spec,
         return Choice(None, f"hold: {seen}, but {exc}")
     # the stalled step whose composition the model predicts slowest (a hiccup of the machine
     # may have made another one wait longer), as its decode rows wait for it: the step at the
-    # fit's tail, and the engine's gap before it
+    # fit's tail, and the engine's gap before it. Whether the chunk causes it is judged at a tail
+    # that one slow step cannot set (in a small window the p99 would be that step); how deep to
+    # cut, at the p99 (the target is one)
     now = max((composition_of(it.as_dict()) for it, _ in stalls), key=model.predict)
-    tail = model.ratio(tail_quantile(model.rows_used))
 
-    def wait_at(chunk: int) -> float:
+    def wait_at(chunk: int, tail: float) -> float:
         capped = replace(now, prefill_tokens=min(now.prefill_tokens, chunk * max(1, now.prefill_seqs)))
-        return model.predict(capped) * tail + model.gap_s
+        return model.predict(capped) * model.ratio(tail) + model.gap_s
 
     chunk = knobs.long_prefill_token_threshold
-    predicted = {chunk: wait_at(chunk)}
-    if predicted[chunk] <= target:
-        return Choice(None, f"hold: {seen}; the step-time model predicts at most {predicted[chunk] * 1000:.0f} ms for "
+    if (robust := wait_at(chunk, tail_quantile(model.rows_used))) <= target:
+        return Choice(None, f"hold: {seen}; the step-time model predicts at most {robust * 1000:.0f} ms for "
                             f"their compositions (at the tail of its spread): the stall is not the chunk's")
+    predicted = {chunk: wait_at(chunk, TAIL)}
     # halvings down to the operator's lower bound, and never under one KV block (smaller chunks
     # pay a step's fixed cost for a sliver of a prompt)
     floor = max(1, spec.bounds.get(KNOB, (1, 0))[0], int(fixed.get("block_size") or 1))
     while predicted[chunk] > target and (smaller := max(floor, chunk // 2)) < chunk:
         chunk = smaller
-        predicted[chunk] = wait_at(chunk)
+        predicted[chunk] = wait_at(chunk, TAIL)
     prediction = {"stalled_steps": len(stalls), "worst_wait_s": wait, "model_heldout_mape": model.heldout_mape,
                   "predicted_wait_s": {str(c): t for c, t in predicted.items()}}
     if chunk == knobs.long_prefill_token_threshold:
@@ -91,6 +94,6 @@ def chunk_cut(iterations: Sequence[IterationStats], knobs: Knobs, spec: Spec,
                             f"chunks)", prediction)
     move = bounded_move(knobs, spec, KNOB, chunk, f"{seen}; the step-time model (held-out error "
                         f"{model.heldout_mape:.0%}) predicts the heaviest at {predicted[chunk] * 1000:.0f} ms with "
-                        f"{chunk}-token chunks (at the tail of its spread)")
+                        f"{chunk}-token chunks (p99 of its spread)")
     return Choice(move, move.reason, prediction) if move else Choice(None, f"hold: {seen}; the chunk is at its bound",
                                                                       prediction)
