@@ -9,10 +9,10 @@ that at once, long before five requests have finished. The chunk (long_prefill_t
 bounds those steps: the step-time model fitted on the window's own iterations predicts the
 stalled step of the heaviest composition again with its prefill chunks capped at each halving of
 the chunk, at the 99th percentile of the fit's own spread (the target is a p99), and the largest
-chunk predicted under the target is the move. Stalls the model does not predict from their
-steps' composition, at a tail of its spread that one slow step cannot set (the machine, not the
-chunk), or that no chunk down to the operator's lower
-bound (and never under one KV block) brings under the target, move nothing here.
+chunk predicted under the target with the model's held-out error to spare is the move. Stalls
+the model does not predict from their steps' composition, at a tail of its spread that one slow
+step cannot set (the machine, not the chunk), or that no chunk down to the operator's lower bound
+(and never under one KV block) brings under the target, move nothing here.
 """
 
 from __future__ import annotations
@@ -78,17 +78,19 @@ def chunk_cut(iterations: Sequence[IterationStats], knobs: Knobs, spec: Spec,
         return Choice(None, f"hold: {seen}; the step-time model predicts at most {robust * 1000:.0f} ms for "
                             f"their compositions (at the tail of its spread): the stall is not the chunk's")
     predicted = {chunk: wait_at(chunk, TAIL)}
+    # kept only with the model's held-out error to spare, as the replayed choice counts it
+    headroom = 1 + model.heldout_mape
     # halvings down to the operator's lower bound, and never under one KV block (smaller chunks
     # pay a step's fixed cost for a sliver of a prompt)
     floor = max(1, spec.bounds.get(KNOB, (1, 0))[0], int(fixed.get("block_size") or 1))
-    while predicted[chunk] > target and (smaller := max(floor, chunk // 2)) < chunk:
+    while predicted[chunk] * headroom > target and (smaller := max(floor, chunk // 2)) < chunk:
         chunk = smaller
         predicted[chunk] = wait_at(chunk, TAIL)
     prediction = {"stalled_steps": len(stalls), "worst_wait_s": wait, "model_heldout_mape": model.heldout_mape,
                   "predicted_wait_s": {str(c): t for c, t in predicted.items()}}
     if chunk == knobs.long_prefill_token_threshold:
         return Choice(None, f"hold: {seen}; the chunk is at its bound", prediction)
-    if predicted[chunk] > target:
+    if predicted[chunk] * headroom > target:
         return Choice(None, f"hold: {seen}; no chunk down to {chunk} tokens brings that step under the target "
                             f"(the step-time model predicts {predicted[chunk] * 1000:.0f} ms with {chunk}-token "
                             f"chunks)", prediction)
