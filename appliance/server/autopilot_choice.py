@@ -24,12 +24,12 @@ from typing import Any
 from appliance.bench.metrics import SLO, RequestResult
 from appliance.engine.knobs import Knobs
 from appliance.records import COMPLETED_REASONS, FinishReason, HoldCause, IterationStats, RequestStats
-from appliance.sim.fit import MIN_ROWS, EngineKey, FitError, fit_step_time
+from appliance.sim.fit import MIN_ROWS, EngineKey, FitError, StepTimeModel, fit_step_time
 from appliance.sim.replay import CacheShape, ReplayError, SimRequest, replay
 
 from .autopilot_policy import (MIN_REQUESTS, Choice, DecodeGaps, Move, Spec, WindowStats, bounded_move, decide, p99,
                                window_stats)
-from .autopilot_stalls import chunk_cut
+from .autopilot_stalls import KNOB as CHUNK, chunk_cut
 
 MARGIN = 0.05  # a candidate must raise the predicted attainment by this share of requests...
 P99_MARGIN = 0.2  # ...or, at no loss of attainment, cut the worst target's predicted p99 by this share
@@ -164,11 +164,11 @@ def choose(iterations: Sequence[IterationStats], requests: Sequence[RequestStats
         return Choice(None, "hold: " + (nothing_helps(w) if any(over_targets(w, spec)) else "targets met"))
     rule = decide(w, knobs, spec, dict(last_raise or {}))
 
-    def unreplayed(why: str) -> Choice:
+    def unreplayed(why: str, model: StepTimeModel) -> Choice:
         """The replay is not used (`why`): the rules decide, a chunk cut of theirs as deep as the
-        window's own prefill stalls call for (autopilot_stalls)."""
-        if rule is not None and "long_prefill_token_threshold" in rule.changes:
-            cut = chunk_cut(iterations, knobs, spec, fixed)
+        window's own prefill stalls call for (autopilot_stalls, with the window's `model`)."""
+        if rule is not None and CHUNK in rule.changes:
+            cut = chunk_cut(iterations, knobs, spec, fixed, model)
             if cut is not None and cut.move is not None:
                 return replace(cut, reason=f"{cut.reason} [the replay is not used: {why}]")
         return rules_only(rule, why)
@@ -194,7 +194,7 @@ def choose(iterations: Sequence[IterationStats], requests: Sequence[RequestStats
         base = forecast(knobs)
         if abs(base.attainment - measured) > CALIBRATION:  # the window does not explain what was measured
             return replace(unreplayed(f"the replay of the knobs in force predicts {base.attainment:.0%} "
-                                      f"within the targets, {measured:.0%} was measured"), simulated=True)
+                                      f"within the targets, {measured:.0%} was measured", model), simulated=True)
         tried: list[tuple[Move, Forecast]] = []
         for m in moves:
             if clock() - started > budget_s:

@@ -146,15 +146,21 @@ class DecodeGaps:
 
     @classmethod
     def of(cls, iterations: Sequence[IterationStats]) -> "DecodeGaps":
-        its = sorted(iterations, key=lambda it: it.started_at)
-        kept = [(it.started_at, it.started_at + it.duration_s - (prev.started_at + prev.duration_s))
-                for prev, it in zip(its, its[1:]) if it.decode_tokens > 0]
-        return cls([k[0] for k in kept], [k[1] for k in kept])
+        kept = decode_waits(iterations)
+        return cls([it.started_at for it, _ in kept], [wait for _, wait in kept])
 
     def of_request(self, first_token: float, finished: float) -> list[float]:
         """The gaps of the iterations that started while a request streamed (from its first token
         to its end): its own inter-token gaps, if it was never preempted."""
         return self.gaps[bisect.bisect_left(self.starts, first_token):bisect.bisect_left(self.starts, finished)]
+
+
+def decode_waits(iterations: Sequence[IterationStats]) -> list[tuple[IterationStats, float]]:
+    """Each iteration that decoded, in time order, with the wait its decode rows had for their
+    token: from the end of the iteration before it to its own end (the first has none)."""
+    its = sorted(iterations, key=lambda it: it.started_at)
+    return [(it, it.started_at + it.duration_s - (prev.started_at + prev.duration_s))
+            for prev, it in zip(its, its[1:]) if it.decode_tokens > 0]
 
 
 def worst_gaps(requests: Sequence[RequestStats], gaps: DecodeGaps) -> list[float]:

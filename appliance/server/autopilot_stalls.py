@@ -23,9 +23,9 @@ from typing import Any
 
 from appliance.engine.knobs import Knobs
 from appliance.records import IterationStats
-from appliance.sim.fit import EngineKey, FitError, composition_of, fit_step_time
+from appliance.sim.fit import EngineKey, FitError, StepTimeModel, composition_of, fit_step_time
 
-from .autopilot_policy import Choice, Spec, bounded_move
+from .autopilot_policy import Choice, Spec, bounded_move, decode_waits
 
 KNOB = "long_prefill_token_threshold"
 TAIL = 0.99  # the quantile of the fit's spread a stall is predicted at (the target is a p99)
@@ -41,16 +41,14 @@ def tail_quantile(rows: int) -> float:
 def stalled_steps(iterations: Sequence[IterationStats], target: float) -> list[tuple[IterationStats, float]]:
     """The steps that carried prefill chunks and kept their decode rows waiting longer than
     `target` (from the previous step's end to their own), with that wait."""
-    its = sorted(iterations, key=lambda it: it.started_at)
-    waits = ((it, it.started_at + it.duration_s - (prev.started_at + prev.duration_s)) for prev, it in zip(its, its[1:]))
-    return [(it, wait) for it, wait in waits if it.prefill_tokens > 0 and it.decode_tokens > 0 and wait > target]
+    return [(it, wait) for it, wait in decode_waits(iterations) if it.prefill_tokens > 0 and wait > target]
 
 
-def chunk_cut(iterations: Sequence[IterationStats], knobs: Knobs, spec: Spec,
-              fixed: Mapping[str, Any]) -> Choice | None:
+def chunk_cut(iterations: Sequence[IterationStats], knobs: Knobs, spec: Spec, fixed: Mapping[str, Any],
+              model: StepTimeModel | None = None) -> Choice | None:
     """The choice for a window whose prefill steps stalled decoding past the ITL target (`fixed`:
-    the engine's fixed settings, which key the step-time model); None when there is no ITL target
-    or no such stall."""
+    the engine's fixed settings, which key the step-time model; `model`: that model fitted on
+    these iterations, when the caller has it); None when there is no ITL target or no such stall."""
     target = spec.targets.get("itl_p99")
     stalls = stalled_steps(iterations, target) if target else []
     if not stalls:
@@ -59,7 +57,7 @@ def chunk_cut(iterations: Sequence[IterationStats], knobs: Knobs, spec: Spec,
     seen = f"{len(stalls)} step(s) carrying prefill chunks kept decode rows waiting up to {wait * 1000:.0f} ms " \
            f"(ITL target {target * 1000:.0f} ms)"
     try:
-        model = fit_step_time([it.as_dict() for it in iterations], EngineKey.from_fixed(fixed))
+        model = model or fit_step_time([it.as_dict() for it in iterations], EngineKey.from_fixed(fixed))
     except FitError as exc:
         return Choice(None, f"hold: {seen}, but {exc}")
     # the stalled step whose composition the model predicts slowest (a hiccup of the machine
