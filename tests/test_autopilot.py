@@ -440,20 +440,19 @@ def test_the_simulating_autopilot_stops_when_off_and_yields_to_a_manual_change()
     assert engine.knobs.max_num_seqs == 3 and ap.view()["last_decision"] is None
 
 
-def stalling_window(ap: Autopilot, n: int = 200, outlier: bool = False) -> float:
+def stalling_window(ap: Autopilot, n: int = 200, chunks: tuple[int, ...] = (256, 200, 90, 256),
+                    hiccup: bool = False) -> float:
     """`n` back-to-back steps of a known engine (step = 30 ms + 4 ms per decode row + 0.5 ms per
     prefill token + 10 ms per prefill chunk + 1 us per context token), every 10th carrying one
-    prompt's prefill chunk of 90-256 tokens beside 2-6 decode rows, and two finished requests
-    (too few to replay). `outlier`: every chunk is 64 tokens (no step over 111 ms), and one such
-    step instead takes 300 ms (the machine, not its composition). Returns the last step's end."""
+    prompt's prefill chunk (of `chunks` in turn) beside 2-6 decode rows, and two finished requests
+    (too few to replay). `hiccup`: the middle step carries a 64-token chunk and takes 300 ms (the
+    machine, not its composition). Returns the last step's end."""
     t = T0
     for i in range(n):
-        rows, prefill = 2 + (i // 3) % 5, (0 if i % 10 else (256, 200, 90, 256)[(i // 10) % 4])
-        if outlier and prefill:
-            prefill = 64
+        rows, prefill = 2 + (i // 3) % 5, (0 if i % 10 else chunks[(i // 10) % len(chunks)])
         ctx = 1000 + 10 * i
         duration = 0.03 + 0.004 * rows + 0.0005 * prefill + 0.01 * (prefill > 0) + 1e-6 * ctx
-        if outlier and i == n // 2:
+        if hiccup and i == n // 2:
             prefill, duration = 64, 0.3
         base = {m.name: 0 for m in ITERATION_METRICS}
         base.update(started_at=t, duration_s=duration, policy="continuous", kv_blocks_total=100, decode_seqs=rows,
@@ -482,13 +481,40 @@ def test_prefill_stalls_cut_the_chunk_before_enough_requests_finish_to_replay(it
 
 @pytest.mark.parametrize("n", [200, 30])
 def test_a_prefill_stall_the_step_time_model_does_not_predict_moves_nothing(n):
-    # in a small window (30 steps, 24 fitted) too, where the fit's p99 would be the stall itself
-    ap, engine = pilot("ttft_p99=5s,itl_p99=150ms", fixed=FIXED, window_s=300, long_prefill_token_threshold=256)
-    end = stalling_window(ap, n=n, outlier=True)
+    # every chunk is 64 tokens (no step over 111 ms, nor one a whole chunk makes) but one step
+    # takes 300 ms; in a small window (30 steps, 24 fitted) too, where the fit's p99 would be
+    # the stall itself
+    ap, engine = pilot("ttft_p99=5s,itl_p99=150ms", fixed=FIXED, window_s=300, long_prefill_token_threshold=64)
+    end = stalling_window(ap, n=n, chunks=(64,), hiccup=True)
     assert ap.tick(end + 1) is None and engine.version == 0
     reason = ap.view()["last_decision"]["reason"]
     assert reason.startswith("hold: 1 step(s) carrying prefill chunks kept decode rows waiting up to 300 ms")
     assert reason.endswith("the stall is not the chunk's")
+
+
+@pytest.mark.parametrize("hiccup", [False, True])
+def test_a_chunk_the_step_time_model_foresees_stalling_decode_is_cut_before_it_does(hiccup):
+    # every prompt so far came in 64-token chunks (at most 111 ms: no stall); a whole 256-token
+    # chunk beside the 6 decode rows the window ran would take 193 ms, one of 128 tokens 129 ms.
+    # A 300 ms hiccup of the machine (not the chunk's) changes neither
+    ap, engine = pilot("ttft_p99=5s,itl_p99=150ms", fixed=FIXED, window_s=300, long_prefill_token_threshold=256)
+    end = stalling_window(ap, chunks=(64,), hiccup=hiccup)
+    assert ap.tick(end + 1) is not None and engine.knobs.long_prefill_token_threshold == 128
+    last = ap.view()["moves"][-1]
+    assert last["reason"].startswith("long_prefill_token_threshold 256→128: foreseen: 1 whole 256-token chunk(s) "
+                                     "beside the 6 decode rows the window has run would keep them waiting")
+    prediction = last["prediction"]
+    assert prediction["foreseen_wait_s"] > 0.15 >= prediction["predicted_wait_s"]["128"]
+
+
+@pytest.mark.parametrize("itl_ms, n", [(250, 200), (150, 20)])
+def test_nothing_is_cut_ahead_of_a_stall_the_model_does_not_foresee(itl_ms, n):
+    # 250 ms: a whole 256-token chunk (193 ms) keeps it; 20 steps: only two carried prefill
+    # tokens, too few to price them
+    ap, engine = pilot(f"ttft_p99=5s,itl_p99={itl_ms}ms", fixed=FIXED, window_s=300, long_prefill_token_threshold=256)
+    end = stalling_window(ap, n=n, chunks=(64,))
+    assert ap.tick(end + 1) is None and engine.version == 0
+    assert ap.view()["last_decision"]["reason"] == "hold: 2 finished request(s) in the window, at least 5 needed"
 
 
 @pytest.mark.parametrize("bounds, itl_ms, floor", [("100..512", 100, 100), ("1..512", 45, 16)])

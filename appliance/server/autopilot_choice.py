@@ -7,7 +7,8 @@ the knobs in force that misses the attainment measured on the same requests by m
 CALIBRATION: the same, except that a chunk cut of theirs goes as deep as the prefill stalls the
 iterations show call for (autopilot_stalls; a replay of the finished requests alone misses the
 stalls that requests still in flight caused). A replay that cannot run: hold. Too few finished
-requests to replay: such a stall cuts the chunk the same way, else hold. Replays are bounded
+requests to replay: such a stall, or one the step-time model foresees from a whole chunk beside
+the decode rows in flight, cuts the chunk the same way, else hold. Replays are bounded
 (the newest MAX_REQUESTS requests, a time budget checked between replays) and run where the
 caller runs `choose` (in the server: a worker process at nice 19, `autopilot_worker`; never the
 engine's thread).

@@ -13,6 +13,12 @@ chunk predicted under the target with the model's held-out error to spare is the
 the model does not predict from their steps' composition, at a tail of its spread that one slow
 step cannot set (the machine, not the chunk), or that no chunk down to the operator's lower bound
 (and never under one KV block) brings under the target, move nothing here.
+
+The model also sees a stall coming (`foresight`): once the window has priced prefill tokens, a
+whole chunk beside the most decode rows the window has run is predicted; a chunk whose step
+would miss the target even at the median of the fit's spread is cut the same way before the
+first prompt that long arrives (the first chat prompts of a run price the tokens a second or two
+before the first long one stalls every stream in flight).
 """
 
 from __future__ import annotations
@@ -23,12 +29,14 @@ from typing import Any
 
 from appliance.engine.knobs import Knobs
 from appliance.records import IterationStats
-from appliance.sim.fit import EngineKey, FitError, StepTimeModel, composition_of, fit_step_time
+from appliance.sim.fit import Composition, EngineKey, FitError, StepTimeModel, composition_of, fit_step_time
 
 from .autopilot_policy import Choice, Spec, bounded_move, decode_waits
 
 KNOB = "long_prefill_token_threshold"
 TAIL = 0.99  # the quantile of the fit's spread a stall is predicted at (the target is a p99)
+MEDIAN = 0.5  # ...and a stall foreseen, before any has happened
+MIN_PREFILL_STEPS = 3  # a window prices prefill tokens once this many of its steps carried some
 
 
 def tail_quantile(rows: int) -> float:
@@ -46,18 +54,22 @@ def stalled_steps(iterations: Sequence[IterationStats], target: float) -> list[t
 
 def chunk_cut(iterations: Sequence[IterationStats], knobs: Knobs, spec: Spec, fixed: Mapping[str, Any],
               model: StepTimeModel | None = None) -> Choice | None:
-    """The choice for a window whose prefill steps stalled decoding past the ITL target (`fixed`:
-    the engine's fixed settings, which key the step-time model; `model`: that model fitted on
-    these iterations, when the caller has it); None when there is no ITL target or no such stall."""
+    """The choice for a window whose prefill steps stalled decoding past the ITL target, or, when
+    none has yet, whose chunk the step-time model foresees doing so (`foresight`). `fixed`: the
+    engine's fixed settings, which key the step-time model; `model`: that model fitted on these
+    iterations, when the caller has it. None when there is no ITL target, no stall and none
+    foreseen."""
     target = spec.targets.get("itl_p99")
-    stalls = stalled_steps(iterations, target) if target else []
-    if not stalls:
+    if not target:
         return None
+    stalls = stalled_steps(iterations, target)
+    if not stalls:
+        return foresight(iterations, knobs, spec, fixed, model)
     wait = max(w for _, w in stalls)
     seen = f"{len(stalls)} step(s) carrying prefill chunks kept decode rows waiting up to {wait * 1000:.0f} ms " \
            f"(ITL target {target * 1000:.0f} ms)"
     try:
-        model = model or fit_step_time([it.as_dict() for it in iterations], EngineKey.from_fixed(fixed))
+        model = model or _fit(iterations, fixed)
     except FitError as exc:
         return Choice(None, f"hold: {seen}, but {exc}")
     # the stalled step whose composition the model predicts slowest (a hiccup of the machine
@@ -66,25 +78,70 @@ def chunk_cut(iterations: Sequence[IterationStats], knobs: Knobs, spec: Spec, fi
     # that one slow step cannot set (in a small window the p99 would be that step); how deep to
     # cut, at the p99 (the target is one)
     now = max((composition_of(it.as_dict()) for it, _ in stalls), key=model.predict)
-
-    def wait_at(chunk: int, tail: float) -> float:
-        capped = replace(now, prefill_tokens=min(now.prefill_tokens, chunk * max(1, now.prefill_seqs)))
-        return model.predict(capped) * model.ratio(tail) + model.gap_s
-
     chunk = knobs.long_prefill_token_threshold
-    if (robust := wait_at(chunk, tail_quantile(model.rows_used))) <= target:
-        return Choice(None, f"hold: {seen}; the step-time model predicts at most {robust * 1000:.0f} ms for "
-                            f"their compositions (at the tail of its spread): the stall is not the chunk's")
-    predicted = {chunk: wait_at(chunk, TAIL)}
-    # kept only with the model's held-out error to spare, as the replayed choice counts it
+    if (robust := wait_at(model, now, chunk, tail_quantile(model.rows_used))) <= target:
+        ahead = foresight(iterations, knobs, spec, fixed, model)
+        return ahead if ahead is not None and ahead.move is not None else Choice(
+            None, f"hold: {seen}; the step-time model predicts at most {robust * 1000:.0f} ms for their "
+                  f"compositions (at the tail of its spread): the stall is not the chunk's")
+    return deepest_needed(model, now, knobs, spec, fixed, seen, {"stalled_steps": len(stalls), "worst_wait_s": wait})
+
+
+def foresight(iterations: Sequence[IterationStats], knobs: Knobs, spec: Spec, fixed: Mapping[str, Any],
+              model: StepTimeModel | None = None) -> Choice | None:
+    """Before the chunk has stalled decoding: it bounds the step a long prompt makes beside the
+    decode rows in flight. Once the window has priced prefill tokens (MIN_PREFILL_STEPS steps
+    carried some), the model predicts the heaviest decode step it holds with each of its
+    prefills (at least one) a whole chunk, within the token budget; if that step's decode rows
+    would wait longer than the ITL target even at the median of the fit's spread, the chunk is
+    cut as a stall would cut it, before the first long prompt makes one. None: nothing foreseen."""
+    target = spec.targets["itl_p99"]
+    decoding = [it for it in iterations if it.decode_seqs > 0]
+    if not decoding or sum(it.prefill_tokens > 0 for it in iterations) < MIN_PREFILL_STEPS:
+        return None
+    try:
+        model = model or _fit(iterations, fixed)
+    except FitError:
+        return None
+    chunk = knobs.long_prefill_token_threshold
+
+    def with_full_chunks(it: IterationStats) -> Composition:
+        c = composition_of(it.as_dict())
+        return replace(c, prefill_seqs=max(1, c.prefill_seqs),
+                       prefill_tokens=max(c.prefill_tokens, knobs.max_num_batched_tokens - c.decode_rows))
+
+    ahead = max((with_full_chunks(it) for it in decoding), key=lambda c: wait_at(model, c, chunk, MEDIAN))
+    if (median := wait_at(model, ahead, chunk, MEDIAN)) <= target:
+        return None
+    seen = f"foreseen: {ahead.prefill_seqs} whole {chunk}-token chunk(s) beside the {ahead.decode_rows} decode " \
+           f"rows the window has run would keep them waiting {median * 1000:.0f} ms at the median of the " \
+           f"step-time model's spread (ITL target {target * 1000:.0f} ms)"
+    return deepest_needed(model, ahead, knobs, spec, fixed, seen, {"foreseen_wait_s": median})
+
+
+def wait_at(model: StepTimeModel, step: Composition, chunk: int, tail: float) -> float:
+    """How long the decode rows of `step` wait for it with its prefill chunks capped at `chunk`:
+    the step at quantile `tail` of the fit's spread, plus the engine's gap before it."""
+    capped = replace(step, prefill_tokens=min(step.prefill_tokens, chunk * max(1, step.prefill_seqs)))
+    return model.predict(capped) * model.ratio(tail) + model.gap_s
+
+
+def deepest_needed(model: StepTimeModel, step: Composition, knobs: Knobs, spec: Spec, fixed: Mapping[str, Any],
+                   seen: str, prediction: dict[str, Any]) -> Choice:
+    """The largest halving of the chunk under which `step` keeps the ITL target at the p99 of the
+    fit's spread with the model's held-out error to spare, as the replayed choice (`pick`) counts
+    it; a hold when the chunk is at its bound or no chunk down to there keeps the target."""
+    target = spec.targets["itl_p99"]
+    chunk = knobs.long_prefill_token_threshold
+    predicted = {chunk: wait_at(model, step, chunk, TAIL)}
     headroom = 1 + model.heldout_mape
     # halvings down to the operator's lower bound, and never under one KV block (smaller chunks
     # pay a step's fixed cost for a sliver of a prompt)
     floor = max(1, spec.bounds.get(KNOB, (1, 0))[0], int(fixed.get("block_size") or 1))
     while predicted[chunk] * headroom > target and (smaller := max(floor, chunk // 2)) < chunk:
         chunk = smaller
-        predicted[chunk] = wait_at(chunk, TAIL)
-    prediction = {"stalled_steps": len(stalls), "worst_wait_s": wait, "model_heldout_mape": model.heldout_mape,
+        predicted[chunk] = wait_at(model, step, chunk, TAIL)
+    prediction = {**prediction, "model_heldout_mape": model.heldout_mape,
                   "predicted_wait_s": {str(c): t for c, t in predicted.items()}}
     if chunk == knobs.long_prefill_token_threshold:
         return Choice(None, f"hold: {seen}; the chunk is at its bound", prediction)
@@ -93,7 +150,11 @@ def chunk_cut(iterations: Sequence[IterationStats], knobs: Knobs, spec: Spec, fi
                             f"(the step-time model predicts {predicted[chunk] * 1000:.0f} ms with {chunk}-token "
                             f"chunks)", prediction)
     move = bounded_move(knobs, spec, KNOB, chunk, f"{seen}; the step-time model (held-out error "
-                        f"{model.heldout_mape:.0%}) predicts the heaviest at {predicted[chunk] * 1000:.0f} ms with "
+                        f"{model.heldout_mape:.0%}) predicts {predicted[chunk] * 1000:.0f} ms with "
                         f"{chunk}-token chunks (p99 of its spread)")
     return Choice(move, move.reason, prediction) if move else Choice(None, f"hold: {seen}; the chunk is at its bound",
                                                                       prediction)
+
+
+def _fit(iterations: Sequence[IterationStats], fixed: Mapping[str, Any]) -> StepTimeModel:
+    return fit_step_time([it.as_dict() for it in iterations], EngineKey.from_fixed(fixed))
