@@ -644,6 +644,21 @@ def test_simulations_run_in_a_worker_process_at_the_lowest_priority_and_decide_t
     assert worker.pid() is None
 
 
+def test_a_window_too_small_to_replay_is_decided_without_the_worker():
+    """A stall cut needs only a step-time fit: it is not queued behind a worker at nice 19."""
+    from appliance.server.autopilot_worker import ChoiceWorker
+
+    worker = ChoiceWorker()
+    try:
+        ap, engine = pilot("ttft_p99=5s,itl_p99=150ms,long_prefill_token_threshold=32..256", fixed=FIXED,
+                           window_s=300, worker=worker, long_prefill_token_threshold=256)
+        end = stalling_window(ap)
+        assert ap.tick(end + 1) is not None and engine.knobs.long_prefill_token_threshold == 128
+        assert worker.pid() is None  # never started
+    finally:
+        worker.close()
+
+
 def test_a_worker_that_cannot_start_turns_the_autopilot_off_and_raises_nothing():
     class Unstartable:
         def start(self):
