@@ -405,8 +405,11 @@ def test_a_chunk_cut_goes_as_deep_as_the_itl_target_needs_and_no_deeper(itl_ms, 
     end = scripted_window(ap, engine.knobs, true_engine(prefill_tokens=0.0005), n=40, rate=1.0, prompt=800,
                           output=100)
     assert ap.tick(end + 1) is not None and engine.knobs.long_prefill_token_threshold == chunk
-    tried = {c["changes"].get("long_prefill_token_threshold"): c for c in ap.view()["moves"][-1]["prediction"]["candidates"]}
-    assert tried[chunk]["itl_p99"] <= itl_ms / 1000 and {128, 64} <= set(tried)
+    last = ap.view()["moves"][-1]
+    assert "step(s) carrying prefill chunks kept decode rows waiting up to" in last["reason"]  # no replay needed
+    predicted = {int(c): t for c, t in last["prediction"]["predicted_wait_s"].items()}
+    assert set(predicted) == {c for c in (256, 128, 64) if c >= chunk}  # halvings, until one keeps it
+    assert predicted[chunk] <= itl_ms / 1000 < min(t for c, t in predicted.items() if c > chunk)
 
 
 def test_a_target_kept_by_less_than_the_models_error_does_not_count_as_kept():
@@ -538,24 +541,24 @@ def test_a_prefill_stall_at_the_chunks_lower_bound_holds():
     assert ap.view()["last_decision"]["reason"].endswith("the chunk is at its bound")
 
 
-def test_a_window_the_replay_cannot_explain_cuts_the_chunk_as_deep_as_its_stalls_call_for():
-    # six requests streamed through every stalled step (all missed the 100 ms target; the window's
-    # two short ones met it), while the
-    # prompts that stalled them are still in flight: replaying the finished ones alone predicts
-    # no stall, so the rules decide, and their halving of the chunk (to 128: 113-131 ms steps)
-    # goes as deep as the stalls call for (64)
+def test_prefill_stalls_cut_the_chunk_though_the_finished_requests_met_the_target():
+    # six finished requests (the window's two short ones met the 100 ms target; four more, done
+    # before the stalls, met it too) while the prompts that stalled every stream in flight are
+    # still in flight: the finished requests' ITL p99 is within the target and the rules propose
+    # nothing, but the iterations show the stalls, and the chunk is cut as deep as they call for
     ap, engine = pilot("ttft_p99=5s,itl_p99=100ms,long_prefill_token_threshold=32..256", fixed=FIXED,
                        window_s=300, long_prefill_token_threshold=256)
     end = stalling_window(ap)
-    for i in range(6):
-        arrival = T0 + 1 + 0.1 * i
-        ap.on_request(RequestStats(f"s{i}", "api", None, arrival, arrival, arrival + 0.1, end - 0.5, 8, 100,
-                                   "length", 0, 0))
+    prefills = [it for it in ap._iterations if it.prefill_tokens]
+    for k in range(1, 5):  # four more streamed between two prefill steps
+        first, last = prefills[k].started_at + prefills[k].duration_s + 1e-3, prefills[k + 1].started_at - 1e-3
+        ap.on_request(RequestStats(f"m{k}", "api", None, first - 0.1, first - 0.1, first, last, 8, 10, "length", 0, 0))
+    window = window_stats(list(ap._iterations), list(ap._requests))
+    assert window.requests == 6 and window.itl_p99 <= 0.1 and decide(window, engine.knobs, ap.spec) is None
     assert ap.tick(end + 1) is not None and engine.knobs.long_prefill_token_threshold == 64
     reason = ap.view()["moves"][-1]["reason"]
     assert reason.startswith("long_prefill_token_threshold 256→64: ")
-    assert reason.endswith("[the replay is not used: the replay of the knobs in force predicts 100% within the "
-                           "targets, 25% was measured]")
+    assert "step(s) carrying prefill chunks kept decode rows waiting up to" in reason and "rules only" not in reason
 
 
 def test_a_replay_that_misses_the_measured_attainment_leaves_the_choice_to_the_rules():
@@ -622,20 +625,21 @@ def test_simulations_run_in_a_worker_process_at_the_lowest_priority_and_decide_t
         ap.configure(enabled=True)  # switched on: the worker (and its imports) start at once, before any decision
         started = worker.pid()
         assert started is not None and ap.view()["last_decision"] is None
-        scripted_window(ap, engine.knobs, true_engine())
+        queueing = engine.knobs  # a window served at these knobs queues: a replay decides it
+        scripted_window(ap, queueing, true_engine())
         move = ap.tick(end + 1)
         assert move is not None and move.changes == expected.changes and move.reason == expected.reason
         pid = worker.pid()
         assert pid == started and pid != os.getpid() and os.getpriority(os.PRIO_PROCESS, pid) == 19
         os.kill(pid, signal.SIGKILL)  # the worker dies: the next simulated decision fails
-        scripted_window(ap, engine.knobs, true_engine())
+        scripted_window(ap, queueing, true_engine())
         assert ap.tick(end + 100) is None
         view = ap.view()
         assert view["enabled"] is False and view["status"].startswith("off after an error: BrokenProcessPool")
         ap.configure(enabled=True)  # switched on again: a fresh worker, which decides
         fresh = worker.pid()
         assert fresh is not None and fresh != pid
-        scripted_window(ap, engine.knobs, true_engine())
+        scripted_window(ap, queueing, true_engine())
         ap.tick(end + 200)
         view = ap.view()
         assert view["enabled"] is True and view["last_decision"]["at"] == end + 200 and worker.pid() == fresh

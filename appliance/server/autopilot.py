@@ -11,7 +11,7 @@ by anyone else pauses it for `manual_hold_s` and a decision taken before that ch
 decided on, KnobConflict when that is stale); switching it off stops it before its next move;
 any error in the controller is logged and turns it off (serving is never touched: it decides in
 its own thread, its simulations run in a worker process of their own when given one (the server
-does: autopilot_worker; a window too small to replay needs only a step-time fit, decided in the
+does: autopilot_worker; what needs no replay, a step-time fit at most, is decided in the
 thread), and it only ever submits knob changes).
 """
 
@@ -28,8 +28,8 @@ from typing import Any
 from ..engine import StatsSink
 from ..engine.knobs import KnobConflict, KnobSnapshot
 from ..records import IterationStats, KnobChange, RequestStats
-from .autopilot_choice import choose
-from .autopilot_policy import MIN_REQUESTS, Choice, Move, Spec, decide, window_stats
+from .autopilot_choice import replayed, without_replay
+from .autopilot_policy import Choice, Move, Spec, decide, window_stats
 from .autopilot_worker import ChoiceWorker
 
 log = logging.getLogger(__name__)
@@ -180,12 +180,14 @@ class Autopilot(StatsSink):
                 last_raise: dict[str, int]) -> Choice:
         """By simulation when the engine's fixed settings are known, else by the rules alone."""
         if self._fixed is not None:
-            # a window too small to replay is decided by the step-time fit alone (milliseconds):
-            # here, where a worker at nice 19 beside a busy engine would wait most of a second for
-            # the CPU (benchmarks/autopilot.py run 22: the first stall came before the cut)
-            replays = self._worker is not None and len(requests) >= MIN_REQUESTS
-            run = self._worker.choose if replays else choose
-            return run(iterations, requests, knobs, spec, self._fixed(), last_raise)
+            # what needs no replay (a step-time fit at most, milliseconds) is decided here, where a
+            # worker at nice 19 beside a busy engine would wait most of a second for the CPU
+            # (benchmarks/autopilot.py run 22: the foreseen cut came just after the first stall)
+            fixed = self._fixed()
+            if (quick := without_replay(iterations, requests, knobs, spec, fixed, last_raise)) is not None:
+                return quick
+            run = self._worker.replayed if self._worker is not None else replayed
+            return run(iterations, requests, knobs, spec, fixed, last_raise)
         move = decide(window_stats(iterations, requests), knobs, spec, last_raise)
         return Choice(move, move.reason if move else "hold: the rules propose nothing")
 

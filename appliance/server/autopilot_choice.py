@@ -2,16 +2,18 @@
 operator's bounds); the what-if simulator, fitted on the window's own iterations, replays the
 window's finished requests under the knobs in force and under each candidate; the candidate with
 the best predicted SLO attainment is chosen only if it beats the knobs in force by a margin
-(hysteresis). Too few iterations to fit: the rules alone decide (the reason says so). A replay of
-the knobs in force that misses the attainment measured on the same requests by more than
-CALIBRATION: the same, except that a chunk cut of theirs goes as deep as the prefill stalls the
-iterations show call for (autopilot_stalls; a replay of the finished requests alone misses the
-stalls that requests still in flight caused). A replay that cannot run: hold. Too few finished
-requests to replay: such a stall, or one the step-time model foresees from a whole chunk beside
-the decode rows in flight, cuts the chunk the same way, else hold. Replays are bounded
-(the newest MAX_REQUESTS requests, a time budget checked between replays) and run where the
-caller runs `choose` (in the server: a worker process at nice 19, `autopilot_worker`; never the
-engine's thread).
+(hysteresis). Too few iterations to fit, or a replay of the knobs in force that misses the
+attainment measured on the same requests by more than CALIBRATION: the rules alone decide (the
+reason says so). A replay that cannot run: hold.
+
+Before any replay (`without_replay`, milliseconds: a step-time fit at most): too few finished
+requests to replay, a prefill stall the iterations show, or one the step-time model foresees
+from a whole chunk beside the decode rows in flight, cuts the chunk (autopilot_stalls), else
+hold; with enough of them and TTFT p99 within its target, such a stall cuts the chunk as well (a
+replay of the finished requests alone misses the streams it stalled that are still in flight);
+no candidate move: hold. Replays (`replayed`) are bounded (the newest MAX_REQUESTS requests, a
+time budget checked between replays) and run where the caller runs them (in the server: a
+worker process at nice 19, `autopilot_worker`; never the engine's thread).
 """
 
 from __future__ import annotations
@@ -25,12 +27,12 @@ from typing import Any
 from appliance.bench.metrics import SLO, RequestResult
 from appliance.engine.knobs import Knobs
 from appliance.records import COMPLETED_REASONS, FinishReason, HoldCause, IterationStats, RequestStats
-from appliance.sim.fit import MIN_ROWS, EngineKey, FitError, StepTimeModel, fit_step_time
+from appliance.sim.fit import MIN_ROWS, EngineKey, FitError, fit_step_time
 from appliance.sim.replay import CacheShape, ReplayError, SimRequest, replay
 
 from .autopilot_policy import (MIN_REQUESTS, Choice, DecodeGaps, Move, Spec, WindowStats, bounded_move, decide, p99,
                                window_stats)
-from .autopilot_stalls import KNOB as CHUNK, chunk_cut
+from .autopilot_stalls import chunk_cut
 
 MARGIN = 0.05  # a candidate must raise the predicted attainment by this share of requests...
 P99_MARGIN = 0.2  # ...or, at no loss of attainment, cut the worst target's predicted p99 by this share
@@ -155,25 +157,41 @@ def choose(iterations: Sequence[IterationStats], requests: Sequence[RequestStats
            clock: Callable[[], float] = time.perf_counter) -> Choice:
     """The move for this window (see the module docstring). `fixed`: GET /admin/knobs' fixed
     settings (the cache shape and the engine the step-time model is keyed on)."""
-    gaps = DecodeGaps.of(iterations)
-    w = window_stats(iterations, requests, gaps)
+    return (without_replay(iterations, requests, knobs, spec, fixed, last_raise)
+            or replayed(iterations, requests, knobs, spec, fixed, last_raise, budget_s=budget_s, clock=clock))
+
+
+def without_replay(iterations: Sequence[IterationStats], requests: Sequence[RequestStats], knobs: Knobs, spec: Spec,
+                   fixed: Mapping[str, Any], last_raise: Mapping[str, int] | None = None) -> Choice | None:
+    """The choice that needs no replay (milliseconds: a step-time fit at most), or None when
+    the window's replay decides: too few finished requests (a stall, seen or foreseen, cuts the
+    chunk, else hold); with TTFT p99 within its target, a prefill stall the chunk explains cuts
+    it (the finished requests' figures miss the streams it stalled that are still in flight);
+    no candidate move (hold)."""
+    w = window_stats(iterations, requests)
     if w.requests < MIN_REQUESTS:
         return chunk_cut(iterations, knobs, spec, fixed) or Choice(
             None, f"hold: {w.requests} finished request(s) in the window, at least {MIN_REQUESTS} needed")
-    moves = candidates(w, knobs, spec, last_raise)
-    if not moves:
+    ttft_target = spec.targets.get("ttft_p99")
+    if ttft_target is None or w.ttft_p99 is None or w.ttft_p99 <= ttft_target:  # the rules' order: TTFT first
+        cut = chunk_cut(iterations, knobs, spec, fixed, foresee=False)
+        if cut is not None and cut.move is not None:
+            return cut
+    if not candidates(w, knobs, spec, last_raise):
         return Choice(None, "hold: " + (nothing_helps(w) if any(over_targets(w, spec)) else "targets met"))
+    return None
+
+
+def replayed(iterations: Sequence[IterationStats], requests: Sequence[RequestStats], knobs: Knobs, spec: Spec,
+             fixed: Mapping[str, Any], last_raise: Mapping[str, int] | None = None, *, budget_s: float = BUDGET_S,
+             clock: Callable[[], float] = time.perf_counter) -> Choice:
+    """The choice by replaying the window under the knobs in force and each candidate (for a
+    window `without_replay` left undecided; seconds of pure Python: the server runs it in the
+    autopilot's worker)."""
+    gaps = DecodeGaps.of(iterations)
+    w = window_stats(iterations, requests, gaps)
+    moves = candidates(w, knobs, spec, last_raise)
     rule = decide(w, knobs, spec, dict(last_raise or {}))
-
-    def unreplayed(why: str, model: StepTimeModel) -> Choice:
-        """The replay is not used (`why`): the rules decide, a chunk cut of theirs as deep as the
-        window's own prefill stalls call for (autopilot_stalls, with the window's `model`)."""
-        if rule is not None and CHUNK in rule.changes:
-            cut = chunk_cut(iterations, knobs, spec, fixed, model)
-            if cut is not None and cut.move is not None:
-                return replace(cut, reason=f"{cut.reason} [the replay is not used: {why}]")
-        return rules_only(rule, why)
-
     try:
         model = fit_step_time([it.as_dict() for it in iterations], EngineKey.from_fixed(fixed))
     except FitError as exc:
@@ -194,8 +212,8 @@ def choose(iterations: Sequence[IterationStats], requests: Sequence[RequestStats
     try:
         base = forecast(knobs)
         if abs(base.attainment - measured) > CALIBRATION:  # the window does not explain what was measured
-            return replace(unreplayed(f"the replay of the knobs in force predicts {base.attainment:.0%} "
-                                      f"within the targets, {measured:.0%} was measured", model), simulated=True)
+            return replace(rules_only(rule, f"the replay of the knobs in force predicts {base.attainment:.0%} "
+                                            f"within the targets, {measured:.0%} was measured"), simulated=True)
         tried: list[tuple[Move, Forecast]] = []
         for m in moves:
             if clock() - started > budget_s:

@@ -1,7 +1,7 @@
-"""The autopilot's answer to prefill stalls it cannot replay: before its window holds enough
-finished requests (at the start, and after each move, whose window starts empty), and when the
-window's replay is not trusted (a replay of the finished requests alone misses the stalls that
-requests still in flight caused).
+"""The autopilot's answer to prefill stalls, before any replay: a replay of the window's finished
+requests misses the stalls that requests still in flight rode through, and before the window
+holds enough finished requests (at the start, and after each move, whose window starts empty)
+there is nothing to replay.
 
 A decode row waits for every step that also carries other prompts' prefill chunks; when such a
 step takes longer than the ITL target, every stream in flight misses it, and the iterations show
@@ -53,23 +53,22 @@ def stalled_steps(iterations: Sequence[IterationStats], target: float) -> list[t
 
 
 def chunk_cut(iterations: Sequence[IterationStats], knobs: Knobs, spec: Spec, fixed: Mapping[str, Any],
-              model: StepTimeModel | None = None) -> Choice | None:
-    """The choice for a window whose prefill steps stalled decoding past the ITL target, or, when
-    none has yet, whose chunk the step-time model foresees doing so (`foresight`). `fixed`: the
-    engine's fixed settings, which key the step-time model; `model`: that model fitted on these
-    iterations, when the caller has it. None when there is no ITL target, no stall and none
-    foreseen."""
+              foresee: bool = True) -> Choice | None:
+    """The choice for a window whose prefill steps stalled decoding past the ITL target, or
+    (`foresee`), when the chunk has not yet, whose chunk the step-time model foresees doing so
+    (`foresight`). `fixed`: the engine's fixed settings, which key the step-time model. None when
+    there is no ITL target, no stall and none foreseen."""
     target = spec.targets.get("itl_p99")
     if not target:
         return None
     stalls = stalled_steps(iterations, target)
     if not stalls:
-        return foresight(iterations, knobs, spec, fixed, model)
+        return foresight(iterations, knobs, spec, fixed) if foresee else None
     wait = max(w for _, w in stalls)
     seen = f"{len(stalls)} step(s) carrying prefill chunks kept decode rows waiting up to {wait * 1000:.0f} ms " \
            f"(ITL target {target * 1000:.0f} ms)"
     try:
-        model = model or _fit(iterations, fixed)
+        model = _fit(iterations, fixed)
     except FitError as exc:
         return Choice(None, f"hold: {seen}, but {exc}")
     # the stalled step whose composition the model predicts slowest (a hiccup of the machine
@@ -80,7 +79,7 @@ def chunk_cut(iterations: Sequence[IterationStats], knobs: Knobs, spec: Spec, fi
     now = max((composition_of(it.as_dict()) for it, _ in stalls), key=model.predict)
     chunk = knobs.long_prefill_token_threshold
     if (robust := wait_at(model, now, chunk, tail_quantile(model.rows_used))) <= target:
-        ahead = foresight(iterations, knobs, spec, fixed, model)
+        ahead = foresight(iterations, knobs, spec, fixed, model) if foresee else None
         return ahead if ahead is not None and ahead.move is not None else Choice(
             None, f"hold: {seen}; the step-time model predicts at most {robust * 1000:.0f} ms for their "
                   f"compositions (at the tail of its spread): the stall is not the chunk's")

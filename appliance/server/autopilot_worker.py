@@ -19,14 +19,14 @@ from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
-from .autopilot_choice import choose
+from .autopilot_choice import replayed
 from .autopilot_policy import Choice
 
 TIMEOUT_S = 120.0  # the first call also starts the worker (imports included)
 
 
 class ChoiceWorker:
-    """`choose` run in one spawned worker process, started by `start` or at first use; `close`
+    """`replayed` run in one spawned worker process, started by `start` or at first use; `close`
     ends it. A worker that dies or hangs raises here (the autopilot then turns itself off;
     serving goes on) and is let go: the next `start` makes a fresh one."""
 
@@ -46,17 +46,18 @@ class ChoiceWorker:
                 pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
                                            initializer=os.nice, initargs=(19,))
                 try:
-                    pool.submit(_import_choose)
+                    pool.submit(_import_replayed)
                 except BaseException:
                     pool.shutdown(wait=False, cancel_futures=True)
                     raise
                 self._pool = pool
             return self._pool
 
-    def choose(self, *args: Any, **kwargs: Any) -> Choice:
+    def replayed(self, *args: Any, **kwargs: Any) -> Choice:
+        """`autopilot_choice.replayed` in the worker."""
         pool = self.start()
         try:
-            return pool.submit(choose, *args, **kwargs).result(TIMEOUT_S)
+            return pool.submit(replayed, *args, **kwargs).result(TIMEOUT_S)
         except (BrokenProcessPool, TimeoutError):
             with self._lock:
                 if self._pool is pool:
@@ -76,5 +77,5 @@ class ChoiceWorker:
             pool.shutdown(wait=True, cancel_futures=True)
 
 
-def _import_choose() -> None:
-    """A job whose unpickling in the worker imports this module, and so `choose` with it."""
+def _import_replayed() -> None:
+    """A job whose unpickling in the worker imports this module, and so `replayed` with it."""
