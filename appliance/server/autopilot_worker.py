@@ -4,16 +4,16 @@ A round of replays is seconds of pure Python. Run in the server's process it hol
 the engine thread takes back after every tensor op, so each engine step it overlaps stalls by
 hundreds of milliseconds: a stall in every stream in flight, once per round (measured with
 benchmarks/autopilot.py: decode-only steps of 200-470 ms, one every ~10 s, against 30-45 ms
-otherwise). In a worker process at the lowest priority (nice 19, SCHED_IDLE: autopilot_priority)
-it takes only the CPU the engine leaves. The worker lowers its priority before it imports
-anything heavy (the simulator, numpy, torch): those imports are a second or two of CPU, and at
-normal priority, started at the autopilot's first decision, they stalled the steps of the
-streams then in flight by up to 300 ms.
+otherwise). In a worker process at nice 19 it takes only the CPU the engine leaves. The worker
+lowers its priority before it imports anything heavy (the simulator, numpy, torch): those imports
+are a second or two of CPU, and at normal priority, started at the autopilot's first decision,
+they stalled the steps of the streams then in flight by up to 300 ms.
 """
 
 from __future__ import annotations
 
 import multiprocessing
+import os
 import threading
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -21,7 +21,6 @@ from typing import Any
 
 from .autopilot_choice import replayed
 from .autopilot_policy import Choice
-from .autopilot_priority import lowest_cpu_priority
 
 TIMEOUT_S = 120.0  # the first call also starts the worker (imports included)
 
@@ -40,12 +39,12 @@ class ChoiceWorker:
         when it is switched on, so its first decision does not wait on them); the pool."""
         with self._lock:
             if self._pool is None:
-                # the initializer's module imports only os, so the worker lowers its priority
-                # before the first job's function (this module, the simulator) is unpickled;
-                # spawn re-runs only the parent's main module first (`appliance.cli`, whose top
-                # level imports argparse and sys alone)
+                # os.nice is a builtin: unpickling it imports nothing, so the worker lowers its
+                # priority before the first job's function (this module, the simulator) is
+                # unpickled; spawn re-runs only the parent's main module first (`appliance.cli`,
+                # whose top level imports argparse and sys alone)
                 pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
-                                           initializer=lowest_cpu_priority)
+                                           initializer=os.nice, initargs=(19,))
                 try:
                     pool.submit(_import_replayed)
                 except BaseException:
