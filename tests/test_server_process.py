@@ -3,6 +3,7 @@ upgrade at start, and the SIGTERM drain."""
 
 from __future__ import annotations
 
+import re
 import socket
 
 import httpx
@@ -113,3 +114,5 @@ def test_sigterm_drains_then_exits_0(spawn_server, tmp_path):
         assert events[-2]["choices"][0]["finish_reason"] == reason, name
     log = server.log()
     assert "drained (1 request(s) aborted)" in log
+    frozen = re.search(r"heap frozen: (\d+) objects", log)  # the model's objects among them
+    assert frozen is not None and int(frozen.group(1)) > 100_000
