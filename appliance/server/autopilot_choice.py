@@ -27,12 +27,12 @@ from typing import Any
 from appliance.bench.metrics import SLO, RequestResult
 from appliance.engine.knobs import Knobs
 from appliance.records import COMPLETED_REASONS, FinishReason, HoldCause, IterationStats, RequestStats
-from appliance.sim.fit import MIN_ROWS, EngineKey, FitError, fit_step_time
+from appliance.sim.fit import MIN_ROWS, FitError
 from appliance.sim.replay import CacheShape, ReplayError, SimRequest, replay
 
 from .autopilot_policy import (MIN_REQUESTS, Choice, DecodeGaps, Move, Spec, WindowStats, bounded_move, decide, p99,
                                window_stats)
-from .autopilot_stalls import chunk_cut
+from .autopilot_stalls import chunk_cut, fit_window
 
 MARGIN = 0.05  # a candidate must raise the predicted attainment by this share of requests...
 P99_MARGIN = 0.2  # ...or, at no loss of attainment, cut the worst target's predicted p99 by this share
@@ -152,15 +152,6 @@ def measured_attainment(done: Sequence[RequestStats], slo: SLO, gaps: DecodeGaps
     return met / max(1, len(done))
 
 
-def choose(iterations: Sequence[IterationStats], requests: Sequence[RequestStats], knobs: Knobs, spec: Spec,
-           fixed: Mapping[str, Any], last_raise: Mapping[str, int] | None = None, *, budget_s: float = BUDGET_S,
-           clock: Callable[[], float] = time.perf_counter) -> Choice:
-    """The move for this window (see the module docstring). `fixed`: GET /admin/knobs' fixed
-    settings (the cache shape and the engine the step-time model is keyed on)."""
-    return (without_replay(iterations, requests, knobs, spec, fixed, last_raise)
-            or replayed(iterations, requests, knobs, spec, fixed, last_raise, budget_s=budget_s, clock=clock))
-
-
 def without_replay(iterations: Sequence[IterationStats], requests: Sequence[RequestStats], knobs: Knobs, spec: Spec,
                    fixed: Mapping[str, Any], last_raise: Mapping[str, int] | None = None) -> Choice | None:
     """The choice that needs no replay (milliseconds: a step-time fit at most), or None when
@@ -187,13 +178,14 @@ def replayed(iterations: Sequence[IterationStats], requests: Sequence[RequestSta
              clock: Callable[[], float] = time.perf_counter) -> Choice:
     """The choice by replaying the window under the knobs in force and each candidate (for a
     window `without_replay` left undecided; seconds of pure Python: the server runs it in the
-    autopilot's worker)."""
+    autopilot's worker). `fixed`: GET /admin/knobs' fixed settings (the cache shape and the
+    engine the step-time model is keyed on)."""
     gaps = DecodeGaps.of(iterations)
     w = window_stats(iterations, requests, gaps)
     moves = candidates(w, knobs, spec, last_raise)
     rule = decide(w, knobs, spec, dict(last_raise or {}))
     try:
-        model = fit_step_time([it.as_dict() for it in iterations], EngineKey.from_fixed(fixed))
+        model = fit_window(iterations, fixed)
     except FitError as exc:
         return rules_only(rule, f"{exc} in the window (the simulator needs {MIN_ROWS})")
     cache = CacheShape(int(fixed["num_blocks"]), int(fixed["block_size"]), int(fixed["max_model_len"]))

@@ -68,7 +68,7 @@ def chunk_cut(iterations: Sequence[IterationStats], knobs: Knobs, spec: Spec, fi
     seen = f"{len(stalls)} step(s) carrying prefill chunks kept decode rows waiting up to {wait * 1000:.0f} ms " \
            f"(ITL target {target * 1000:.0f} ms)"
     try:
-        model = _fit(iterations, fixed)
+        model = fit_window(iterations, fixed)
     except FitError as exc:
         return Choice(None, f"hold: {seen}, but {exc}")
     # the stalled step whose composition the model predicts slowest (a hiccup of the machine
@@ -99,7 +99,7 @@ def foresight(iterations: Sequence[IterationStats], knobs: Knobs, spec: Spec, fi
     if not decoding or sum(it.prefill_tokens > 0 for it in iterations) < MIN_PREFILL_STEPS:
         return None
     try:
-        model = model or _fit(iterations, fixed)
+        model = model or fit_window(iterations, fixed)
     except FitError:
         return None
     chunk = knobs.long_prefill_token_threshold
@@ -155,5 +155,6 @@ def deepest_needed(model: StepTimeModel, step: Composition, knobs: Knobs, spec: 
                                                                       prediction)
 
 
-def _fit(iterations: Sequence[IterationStats], fixed: Mapping[str, Any]) -> StepTimeModel:
+def fit_window(iterations: Sequence[IterationStats], fixed: Mapping[str, Any]) -> StepTimeModel:
+    """The step-time model fitted on a window's iterations, keyed on the engine's fixed settings."""
     return fit_step_time([it.as_dict() for it in iterations], EngineKey.from_fixed(fixed))

@@ -2,9 +2,10 @@
 
 Order at start: validate every setting (exit 2 naming the bad value), refuse a non-loopback
 host without an API key, upgrade the telemetry store and mark runs left "running" as
-interrupted, load the model, freeze the heap (`freeze_heap`), then bind. On SIGINT/SIGTERM the server stops admitting (new
-requests get 503, /health 503), gives in-flight requests `drain_grace_s` to finish, aborts the
-rest (finish reason "abort"), then shuts down and exits 0. A second SIGINT cuts the grace short.
+interrupted, load the model, freeze the heap (`freeze_heap`), then bind. On SIGINT/SIGTERM the
+server stops admitting (new requests get 503, /health 503), gives in-flight requests
+`drain_grace_s` to finish, aborts the rest (finish reason "abort"), then shuts down and exits 0.
+A second SIGINT cuts the grace short.
 """
 
 from __future__ import annotations
