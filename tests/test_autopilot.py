@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import threading
 import time
 from dataclasses import replace
 
@@ -674,3 +675,29 @@ def test_a_worker_that_cannot_start_turns_the_autopilot_off_and_raises_nothing()
     view = ap.view()
     assert view["enabled"] is False and view["status"] == "off after an error: OSError: no /dev/shm"
     assert engine.version == 0
+
+
+def test_a_prefill_step_wakes_the_controller_before_its_interval_when_a_decision_may_need_it():
+    """The thread's interval (here 10 minutes) is not waited out by a prefill step in a window too
+    small to replay (foresight may cut the chunk) or by one past the ITL target (a stall); decode
+    steps, and prefill steps within the target once the window can be replayed, wake nothing."""
+    ap, _ = pilot("ttft_p99=5s,itl_p99=150ms", fixed=FIXED, window_s=300, long_prefill_token_threshold=256)
+    ticked = threading.Event()
+    ap.tick = lambda now=None: ticked.set()  # count the thread's decisions, take none
+
+    def wakes(step: IterationStats) -> bool:
+        ticked.clear()
+        ap.on_iteration(step)
+        return ticked.wait(5.0 if step.prefill_tokens else 0.5)
+
+    ap.start(interval_s=600)
+    try:
+        t = time.time()
+        assert not wakes(iteration(t, decode=4))
+        assert wakes(iteration(t + 1, prefill=200, decode=4))  # 0 finished requests: too few to replay
+        for i in range(5):
+            ap.on_request(request(t + i, 0.1))
+        assert not wakes(iteration(t + 2, duration=0.12, prefill=64, decode=4))
+        assert wakes(iteration(t + 3, duration=0.2, prefill=256, decode=4))  # a stall past 150 ms
+    finally:
+        ap.stop()

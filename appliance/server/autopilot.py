@@ -29,7 +29,7 @@ from ..engine import StatsSink
 from ..engine.knobs import KnobConflict, KnobSnapshot
 from ..records import IterationStats, KnobChange, RequestStats
 from .autopilot_choice import replayed, without_replay
-from .autopilot_policy import Choice, Move, Spec, decide, window_stats
+from .autopilot_policy import MIN_REQUESTS, Choice, Move, Spec, decide, window_stats
 from .autopilot_worker import ChoiceWorker
 
 log = logging.getLogger(__name__)
@@ -37,6 +37,8 @@ log = logging.getLogger(__name__)
 SOURCE = "autopilot"
 WINDOW_S = 30.0
 INTERVAL_S = 2.0
+# a prefill step wakes the thread before INTERVAL_S (see `on_iteration`), at most this often
+WAKE_SPACING_S = 0.5
 COOLDOWN_S = 10.0
 MANUAL_HOLD_S = 60.0
 HISTORY = 50
@@ -47,7 +49,7 @@ Apply = Callable[..., KnobChange | None]
 
 class Autopilot(StatsSink):
     """Add it to the engine's sinks; `tick(now)` takes one decision (the thread calls it every
-    INTERVAL_S; tests call it directly)."""
+    INTERVAL_S, and sooner when a prefill step wakes it; tests call it directly)."""
 
     def __init__(self, knobs: Callable[[], KnobSnapshot], apply: Apply | None = None, spec: Spec | None = None, *,
                  fixed: Callable[[], Mapping[str, Any]] | None = None, window_s: float = WINDOW_S,
@@ -71,12 +73,24 @@ class Autopilot(StatsSink):
         self._manual_seq = 0  # counts knob changes by others; a decision spanning one is dropped
         self._last_raise: dict[str, int] = {}
         self._stop = threading.Event()
+        self._wake = threading.Event()
         self._thread: threading.Thread | None = None
 
     # -- engine thread (sink) -----------------------------------------------------------------
     def on_iteration(self, stats: IterationStats) -> None:
+        """Record the step; wake the thread for a decision now when the step carried prefill
+        tokens and either the window is too small to replay (foresight prices a whole chunk from
+        such steps: the interval's phase could let the first long prompt stall every stream before
+        the next tick) or it kept its decode rows past the ITL target (a stall the chunk may
+        explain), outside the cooldown. Cheap: a few comparisons in the engine's thread."""
         with self._lock:
             self._iterations.append(stats)
+            spec = self.spec
+            wake = (self.enabled and spec is not None and stats.prefill_tokens > 0
+                    and stats.started_at - max(self._last_move_at, self._last_sim_at) >= self.cooldown_s
+                    and (len(self._requests) < MIN_REQUESTS or stats.duration_s > spec.targets.get("itl_p99", 1e9)))
+        if wake:
+            self._wake.set()
 
     def on_request(self, stats: RequestStats) -> None:
         with self._lock:
@@ -203,7 +217,13 @@ class Autopilot(StatsSink):
             self._apply = apply
 
         def run() -> None:
-            while not self._stop.wait(interval_s):
+            last = time.monotonic()
+            while not self._stop.is_set():
+                self._wake.wait(max(0.0, last + interval_s - time.monotonic()))
+                self._wake.clear()
+                if self._stop.wait(max(0.0, last + WAKE_SPACING_S - time.monotonic())):
+                    return
+                last = time.monotonic()
                 self.tick()
 
         if self.enabled:
@@ -230,6 +250,7 @@ class Autopilot(StatsSink):
 
     def stop(self, timeout: float = 5.0) -> None:
         self._stop.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
         if self._worker is not None:
