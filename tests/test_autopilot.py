@@ -496,16 +496,13 @@ def test_a_prefill_stall_the_step_time_model_does_not_predict_moves_nothing(n):
     assert reason.endswith("the stall is not the chunk's")
 
 
-@pytest.mark.parametrize("hiccup, finished", [(False, 2), (True, 2), (False, 6)])
-def test_a_chunk_the_step_time_model_foresees_stalling_decode_is_cut_before_it_does(hiccup, finished):
+@pytest.mark.parametrize("hiccup", [False, True])
+def test_a_chunk_the_step_time_model_foresees_stalling_decode_is_cut_before_it_does(hiccup):
     # every prompt so far came in 64-token chunks (at most 111 ms: no stall); a whole 256-token
     # chunk beside the 6 decode rows the window ran would take 193 ms, one of 128 tokens 129 ms.
-    # A 300 ms hiccup of the machine (not the chunk's) changes neither; nor do enough finished
-    # requests to replay, all within the targets (their replay would see no stall to prevent)
+    # A 300 ms hiccup of the machine (not the chunk's) changes neither
     ap, engine = pilot("ttft_p99=5s,itl_p99=150ms", fixed=FIXED, window_s=300, long_prefill_token_threshold=256)
     end = stalling_window(ap, chunks=(64,), hiccup=hiccup)
-    for i in range(2, finished):
-        ap.on_request(request(T0 + i, 0.1))
     assert ap.tick(end + 1) is not None and engine.knobs.long_prefill_token_threshold == 128
     last = ap.view()["moves"][-1]
     assert last["reason"].startswith("long_prefill_token_threshold 256→128: foreseen: 1 whole 256-token chunk(s) "

@@ -9,9 +9,9 @@ reason says so). A replay that cannot run: hold.
 Before any replay (`without_replay`, milliseconds: a step-time fit at most): too few finished
 requests to replay, a prefill stall the iterations show, or one the step-time model foresees
 from a whole chunk beside the decode rows in flight, cuts the chunk (autopilot_stalls), else
-hold; with enough of them and TTFT p99 within its target, such a stall, seen or foreseen, cuts
-the chunk as well (a replay of the finished requests alone misses the streams it stalled that
-are still in flight, and those it is about to stall); no candidate move: hold. Replays (`replayed`) are bounded (the newest MAX_REQUESTS requests, a
+hold; with enough of them and TTFT p99 within its target, such a stall cuts the chunk as well (a
+replay of the finished requests alone misses the streams it stalled that are still in flight);
+no candidate move: hold. Replays (`replayed`) are bounded (the newest MAX_REQUESTS requests, a
 time budget checked between replays) and run where the caller runs them (in the server: a
 worker process at nice 19, `autopilot_worker`; never the engine's thread).
 """
@@ -156,16 +156,16 @@ def without_replay(iterations: Sequence[IterationStats], requests: Sequence[Requ
                    fixed: Mapping[str, Any], last_raise: Mapping[str, int] | None = None) -> Choice | None:
     """The choice that needs no replay (milliseconds: a step-time fit at most), or None when
     the window's replay decides: too few finished requests (a stall, seen or foreseen, cuts the
-    chunk, else hold); with TTFT p99 within its target, a prefill stall the chunk explains, or
-    one foreseen, cuts it (the finished requests' figures miss the streams it stalled that are
-    still in flight, and those it is about to stall); no candidate move (hold)."""
+    chunk, else hold); with TTFT p99 within its target, a prefill stall the chunk explains cuts
+    it (the finished requests' figures miss the streams it stalled that are still in flight);
+    no candidate move (hold)."""
     w = window_stats(iterations, requests)
     if w.requests < MIN_REQUESTS:
         return chunk_cut(iterations, knobs, spec, fixed) or Choice(
             None, f"hold: {w.requests} finished request(s) in the window, at least {MIN_REQUESTS} needed")
     ttft_target = spec.targets.get("ttft_p99")
     if ttft_target is None or w.ttft_p99 is None or w.ttft_p99 <= ttft_target:  # the rules' order: TTFT first
-        cut = chunk_cut(iterations, knobs, spec, fixed)
+        cut = chunk_cut(iterations, knobs, spec, fixed, foresee=False)
         if cut is not None and cut.move is not None:
             return cut
     if not candidates(w, knobs, spec, last_raise):

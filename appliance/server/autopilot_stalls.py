@@ -52,18 +52,18 @@ def stalled_steps(iterations: Sequence[IterationStats], target: float) -> list[t
     return [(it, wait) for it, wait in decode_waits(iterations) if it.prefill_tokens > 0 and wait > target]
 
 
-def chunk_cut(iterations: Sequence[IterationStats], knobs: Knobs, spec: Spec,
-              fixed: Mapping[str, Any]) -> Choice | None:
-    """The choice for a window whose prefill steps stalled decoding past the ITL target, or,
-    when the chunk has not yet, whose chunk the step-time model foresees doing so (`foresight`).
-    `fixed`: the engine's fixed settings, which key the step-time model. None when there is no
-    ITL target, no stall and none foreseen."""
+def chunk_cut(iterations: Sequence[IterationStats], knobs: Knobs, spec: Spec, fixed: Mapping[str, Any],
+              foresee: bool = True) -> Choice | None:
+    """The choice for a window whose prefill steps stalled decoding past the ITL target, or
+    (`foresee`), when the chunk has not yet, whose chunk the step-time model foresees doing so
+    (`foresight`). `fixed`: the engine's fixed settings, which key the step-time model. None when
+    there is no ITL target, no stall and none foreseen."""
     target = spec.targets.get("itl_p99")
     if not target:
         return None
     stalls = stalled_steps(iterations, target)
     if not stalls:
-        return foresight(iterations, knobs, spec, fixed)
+        return foresight(iterations, knobs, spec, fixed) if foresee else None
     wait = max(w for _, w in stalls)
     seen = f"{len(stalls)} step(s) carrying prefill chunks kept decode rows waiting up to {wait * 1000:.0f} ms " \
            f"(ITL target {target * 1000:.0f} ms)"
@@ -79,7 +79,7 @@ def chunk_cut(iterations: Sequence[IterationStats], knobs: Knobs, spec: Spec,
     now = max((composition_of(it.as_dict()) for it, _ in stalls), key=model.predict)
     chunk = knobs.long_prefill_token_threshold
     if (robust := wait_at(model, now, chunk, tail_quantile(model.rows_used))) <= target:
-        ahead = foresight(iterations, knobs, spec, fixed, model)
+        ahead = foresight(iterations, knobs, spec, fixed, model) if foresee else None
         return ahead if ahead is not None and ahead.move is not None else Choice(
             None, f"hold: {seen}; the step-time model predicts at most {robust * 1000:.0f} ms for their "
                   f"compositions (at the tail of its spread): the stall is not the chunk's")
