@@ -534,12 +534,22 @@ def test_a_chunk_cut_goes_no_lower_than_the_bound_or_one_kv_block(bounds, itl_ms
     assert f"no chunk down to {floor} tokens brings that step under the target" in decision
 
 
-def test_a_prefill_stall_at_the_chunks_lower_bound_holds():
-    ap, engine = pilot("ttft_p99=5s,itl_p99=150ms,long_prefill_token_threshold=256..512", fixed=FIXED,
-                       window_s=300, long_prefill_token_threshold=256)
-    end = stalling_window(ap)
-    assert ap.tick(end + 1) is None and engine.version == 0
-    assert ap.view()["last_decision"]["reason"].endswith("the chunk is at its bound")
+def test_a_prefill_stall_at_the_chunks_lower_bound_holds_without_fitting(monkeypatch):
+    # the fit costs the engine's thread the GIL for tens of milliseconds: not spent on a chunk
+    # that cannot go lower, neither for the stall nor for foresight
+    from appliance.server import autopilot_stalls
+
+    def no_fit(*args):
+        raise AssertionError("fitted a window whose chunk is at its bound")
+
+    monkeypatch.setattr(autopilot_stalls, "fit_window", no_fit)
+    for chunks in ((256, 200, 90, 256), (64,)):
+        ap, engine = pilot("ttft_p99=5s,itl_p99=150ms,long_prefill_token_threshold=256..512", fixed=FIXED,
+                           window_s=300, long_prefill_token_threshold=256)
+        end = stalling_window(ap, chunks=chunks)
+        assert ap.tick(end + 1) is None and engine.version == 0 and ap.view()["enabled"]
+        reason = ap.view()["last_decision"]["reason"]
+        assert reason.endswith("the chunk is at its bound") if chunks[0] == 256 else reason.startswith("hold: 2 finished")
 
 
 def test_prefill_stalls_cut_the_chunk_though_the_finished_requests_met_the_target():

@@ -12,7 +12,9 @@ the chunk, at the 99th percentile of the fit's own spread (the target is a p99),
 chunk predicted under the target with the model's held-out error to spare is the move. Stalls
 the model does not predict from their steps' composition, at a tail of its spread that one slow
 step cannot set (the machine, not the chunk), or that no chunk down to the operator's lower bound
-(and never under one KV block) brings under the target, move nothing here.
+(and never under one KV block) brings under the target, move nothing here; a chunk already at
+that floor is not even fitted (the fit is tens of milliseconds of Python in the server's process,
+which the engine's thread then waits on for the GIL).
 
 The model also sees a stall coming (`foresight`): once the window has priced prefill tokens, a
 whole chunk beside the most decode rows the window has run is predicted; a chunk whose step
@@ -67,6 +69,8 @@ def chunk_cut(iterations: Sequence[IterationStats], knobs: Knobs, spec: Spec, fi
     wait = max(w for _, w in stalls)
     seen = f"{len(stalls)} step(s) carrying prefill chunks kept decode rows waiting up to {wait * 1000:.0f} ms " \
            f"(ITL target {target * 1000:.0f} ms)"
+    if knobs.long_prefill_token_threshold <= floor_of(spec, fixed):  # nothing to cut: no fit
+        return Choice(None, f"hold: {seen}; the chunk is at its bound")
     try:
         model = fit_window(iterations, fixed)
     except FitError as exc:
@@ -96,7 +100,8 @@ def foresight(iterations: Sequence[IterationStats], knobs: Knobs, spec: Spec, fi
     cut as a stall would cut it, before the first long prompt makes one. None: nothing foreseen."""
     target = spec.targets["itl_p99"]
     decoding = [it for it in iterations if it.decode_seqs > 0]
-    if not decoding or sum(it.prefill_tokens > 0 for it in iterations) < MIN_PREFILL_STEPS:
+    if (not decoding or sum(it.prefill_tokens > 0 for it in iterations) < MIN_PREFILL_STEPS
+            or knobs.long_prefill_token_threshold <= floor_of(spec, fixed)):
         return None
     try:
         model = model or fit_window(iterations, fixed)
@@ -134,9 +139,7 @@ def deepest_needed(model: StepTimeModel, step: Composition, knobs: Knobs, spec: 
     chunk = knobs.long_prefill_token_threshold
     predicted = {chunk: wait_at(model, step, chunk, TAIL)}
     headroom = 1 + model.heldout_mape
-    # halvings down to the operator's lower bound, and never under one KV block (smaller chunks
-    # pay a step's fixed cost for a sliver of a prompt)
-    floor = max(1, spec.bounds.get(KNOB, (1, 0))[0], int(fixed.get("block_size") or 1))
+    floor = floor_of(spec, fixed)
     while predicted[chunk] * headroom > target and (smaller := max(floor, chunk // 2)) < chunk:
         chunk = smaller
         predicted[chunk] = wait_at(model, step, chunk, TAIL)
@@ -153,6 +156,12 @@ def deepest_needed(model: StepTimeModel, step: Composition, knobs: Knobs, spec: 
                         f"{chunk}-token chunks (p99 of its spread)")
     return Choice(move, move.reason, prediction) if move else Choice(None, f"hold: {seen}; the chunk is at its bound",
                                                                       prediction)
+
+
+def floor_of(spec: Spec, fixed: Mapping[str, Any]) -> int:
+    """The smallest chunk a cut goes to: the operator's lower bound, and never under one KV block
+    (smaller chunks pay a step's fixed cost for a sliver of a prompt)."""
+    return max(1, spec.bounds.get(KNOB, (1, 0))[0], int(fixed.get("block_size") or 1))
 
 
 def fit_window(iterations: Sequence[IterationStats], fixed: Mapping[str, Any]) -> StepTimeModel:
