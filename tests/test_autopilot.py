@@ -4,6 +4,7 @@ directly), and its HTTP switch on the real server."""
 from __future__ import annotations
 
 import dataclasses
+import random
 
 import threading
 import time
@@ -16,7 +17,7 @@ from appliance.engine import Knobs
 from appliance.engine.knobs import KnobState, KnobUpdate
 from appliance.records import ITERATION_METRICS, HoldCause, IterationStats, RequestStats
 from appliance.server.autopilot import SOURCE, Autopilot
-from appliance.server.autopilot_choice import MARGIN, Forecast, pick
+from appliance.server.autopilot_choice import MARGIN, USED, Forecast, never_reached, pick
 from appliance.server.autopilot_policy import DecodeGaps, Move, SpecError, decide, parse_spec, window_stats, worst_gaps
 from appliance.sim.fit import MIN_ROWS, EngineKey, StepTimeModel
 from appliance.sim.replay import CacheShape, SimRequest, replay
@@ -711,3 +712,61 @@ def test_a_prefill_step_wakes_the_controller_before_its_interval_when_a_decision
         assert wakes(iteration(t + 3, duration=0.2, prefill=256, decode=4))  # a stall past 150 ms
     finally:
         ap.stop()
+
+
+def schedule(result) -> tuple[list, list]:
+    """A replay's steps (start, length, composition, KV) and its requests' latencies: what a
+    limit that never binds leaves alone (the records also carry the knobs and the hold counts)."""
+    return ([(it.started_at, it.duration_s, it.prefill_seqs, it.prefill_tokens, it.decode_seqs, it.running,
+              it.waiting, it.kv_blocks_used, it.preemptions) for it in result.iterations],
+            [(r.ttft, r.e2e, r.itl) for r in result.results])
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_limit_the_replay_never_came_up_to_schedules_the_same_when_lowered_to_its_peak(seed):
+    """Why `replayed` may skip a candidate that only lowers such a limit: its replay is the same,
+    step for step (compositions, token times), so its forecast is the base's."""
+    rng = random.Random(seed)
+    reqs = [SimRequest(rng.uniform(0, 15), rng.randint(8, 700), rng.randint(2, 48)) for _ in range(50)]
+    knobs = Knobs(max_num_seqs=64, max_num_batched_tokens=1024, long_prefill_token_threshold=rng.choice([64, 128, 256]),
+                  max_num_partial_prefills=4, max_long_partial_prefills=rng.choice([1, 2]), enable_prefix_caching=False)
+    cache, model = CacheShape(600, 16, 2048), true_engine()
+    base = replay(reqs, knobs, cache, model)
+
+    lowered = 0
+    for name, used in USED.items():
+        peak = max(used(it) for it in base.iterations)
+        assert not never_reached(Move({name: peak - 1}, ""), knobs, base.iterations)
+        if peak >= getattr(knobs, name):
+            continue
+        assert never_reached(Move({name: peak}, ""), knobs, base.iterations)
+        try:
+            at_peak = knobs.with_changes({name: peak})
+        except ValueError:  # a cross-field rule of the knobs (not a move the autopilot could make)
+            continue
+        assert schedule(replay(reqs, at_peak, cache, model)) == schedule(base), name
+        lowered += 1
+    assert lowered >= 2
+
+
+def test_a_candidate_its_replay_would_not_change_is_not_replayed(monkeypatch):
+    from appliance.server import autopilot_choice
+
+    ap, engine = pilot("ttft_p99=5s,itl_p99=40ms", fixed=FIXED, long_prefill_token_threshold=256)
+    scripted_window(ap, engine.knobs, true_engine(decode_rows=0.01, intercept=0.03), n=60, rate=2.0)
+    calls = []
+    real = autopilot_choice.replay
+
+    def counted(reqs, k, *args, **kwargs):
+        calls.append((reqs, k, args, kwargs, out := real(reqs, k, *args, **kwargs)))
+        return out
+
+    monkeypatch.setattr(autopilot_choice, "replay", counted)
+    choice = autopilot_choice.replayed(list(ap._iterations), list(ap._requests), engine.knobs, ap.spec, FIXED)
+    unreached = choice.prediction["never_reached"]
+    assert unreached and all(set(c) <= set(USED) for c in unreached)
+    assert len(calls) == 1 + len(choice.prediction["candidates"]) - len(unreached)
+    reqs, knobs, args, kwargs, base = calls[0]
+    for changes in unreached:  # what its replay would have said: the same steps, the same requests
+        out = real(reqs, knobs.with_changes(changes), *args, **kwargs)
+        assert schedule(out) == schedule(base) and out.summary == base.summary

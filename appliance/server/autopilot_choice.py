@@ -12,8 +12,10 @@ from a whole chunk beside the decode rows in flight, cuts the chunk (autopilot_s
 hold; with enough of them and TTFT p99 within its target, such a stall cuts the chunk as well (a
 replay of the finished requests alone misses the streams it stalled that are still in flight);
 no candidate move: hold. Replays (`replayed`) are bounded (the newest MAX_REQUESTS requests, a
-time budget checked between replays) and run where the caller runs them (in the server: a
-worker process at nice 19, `autopilot_worker`; never the engine's thread).
+time budget checked between replays; a candidate that only lowers a limit the replay of the
+knobs in force never came up to is not replayed: its forecast is that replay's) and run where
+the caller runs them (in the server: a worker process at nice 19, `autopilot_worker`, whose CPU
+the engine's threads share; never the engine's thread).
 """
 
 from __future__ import annotations
@@ -195,32 +197,56 @@ def replayed(iterations: Sequence[IterationStats], requests: Sequence[RequestSta
     measured = measured_attainment(done, slo, gaps)
     started = clock()
 
-    def forecast(k: Knobs) -> Forecast:
+    def forecast(k: Knobs) -> tuple[Forecast, Sequence[IterationStats]]:
         out = replay(reqs, k, cache, model, slo=slo)
         s = out.summary
         return Forecast((s.slo_met or 0) / max(1, s.num_requests), s.ttft.p99,
-                        p99([max(r.itl) for r in out.results if r.ok and r.itl]))
+                        p99([max(r.itl) for r in out.results if r.ok and r.itl])), out.iterations
 
     try:
-        base = forecast(knobs)
+        base, steps = forecast(knobs)
         if abs(base.attainment - measured) > CALIBRATION:  # the window does not explain what was measured
             return replace(rules_only(rule, f"the replay of the knobs in force predicts {base.attainment:.0%} "
                                             f"within the targets, {measured:.0%} was measured"), simulated=True)
         tried: list[tuple[Move, Forecast]] = []
+        unreached: list[dict[str, int]] = []
         for m in moves:
+            if never_reached(m, knobs, steps):  # its replay would be the base's, step for step: not run
+                tried.append((m, base))
+                unreached.append(m.changes)
+                continue
             if clock() - started > budget_s:
                 break
-            tried.append((m, forecast(knobs.with_changes(m.changes))))
+            tried.append((m, forecast(knobs.with_changes(m.changes))[0]))
     except ReplayError as exc:
         return Choice(None, f"hold: the simulation failed ({exc})", simulated=True)
     prediction: dict[str, Any] = {
         "measured_attainment": measured, "before": asdict(base), "requests": len(reqs),
         "model_heldout_mape": model.heldout_mape,
         "candidates": [{"changes": m.changes, **asdict(f)} for m, f in tried],
-        "skipped": [m.changes for m in moves[len(tried):]]}
+        "never_reached": unreached, "skipped": [m.changes for m in moves[len(tried):]]}
     if not tried:
         return Choice(None, f"hold: the time budget ({budget_s:g} s) ran out before any candidate", prediction, True)
     return replace(weigh(w, spec, base, tried, prediction, headroom=model.heldout_mape), simulated=True)
+
+
+# limits whose lowering changes nothing when the replay never reached the lower value: knob ->
+# the most a step of the replay used of it (running after admission: those still running plus
+# those the step finished; tokens it scheduled, strictly under the new budget; prefills in it).
+# The chunk is not among them: it also decides which prompts count as long.
+USED: dict[str, Callable[[IterationStats], int]] = {
+    "max_num_seqs": lambda it: it.running + it.finished,
+    "max_num_batched_tokens": lambda it: it.scheduled_tokens + 1,
+    "max_num_partial_prefills": lambda it: it.prefill_seqs,
+}
+
+
+def never_reached(move: Move, knobs: Knobs, steps: Sequence[IterationStats]) -> bool:
+    """Whether `move` only lowers limits (from `knobs`) that no step of their replay came up to
+    (then its own replay schedules every step the same: same forecast, no need to run it)."""
+    now = knobs.as_dict()
+    return all(name in USED and value < now[name] and max((USED[name](it) for it in steps), default=0) <= value
+               for name, value in move.changes.items())
 
 
 def rules_only(rule: Move | None, why: str) -> Choice:
