@@ -43,6 +43,7 @@ import random
 import sys
 import time
 from dataclasses import replace
+from statistics import fmean
 
 import httpx
 from bench_server import patch_knobs, server_process
@@ -171,10 +172,6 @@ def print_moves(name: str, run: BenchmarkRun, view: dict) -> None:
         print(f"  the autopilot turned itself off: {view['error']}")
 
 
-def mean(values: list[float]) -> float:
-    return sum(values) / max(1, len(values))
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--scale", type=float, default=1.0, help="phase length x 60 s (default 1)")
@@ -233,8 +230,8 @@ def main() -> int:
     if fixed["attainment"] > 0:
         print(f"autopilot attainment / best fixed's: {pilot / fixed['attainment']:.2f}x")
     if rematches:
-        fixed_mean = mean([r["attainment"] for r in rematches])
-        pilot_mean = mean([figures(run)["attainment"] for run, _ in pilots])
+        fixed_mean = fmean(r["attainment"] for r in rematches)
+        pilot_mean = fmean(figures(run)["attainment"] for run, _ in pilots)
         print(f"mean attainment: autopilot {pilot_mean:.1%} over its {len(pilots)} runs, best fixed "
               f"{fixed_mean:.1%} over its {len(rematches)} fresh run(s): {pilot_mean / max(fixed_mean, 1e-9):.2f}x; "
               f"autopilot / defaults' {pilot_mean / max(base, 1e-9):.2f}x")
