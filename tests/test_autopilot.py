@@ -16,7 +16,7 @@ import pytest
 from appliance.engine import Knobs
 from appliance.engine.knobs import KnobState, KnobUpdate
 from appliance.records import ITERATION_METRICS, HoldCause, IterationStats, RequestStats
-from appliance.server.autopilot import SOURCE, Autopilot
+from appliance.server.autopilot import FOLLOW_UP_S, SOURCE, Autopilot
 from appliance.server.autopilot_choice import MARGIN, USED, Forecast, never_reached, pick
 from appliance.server.autopilot_policy import DecodeGaps, Move, SpecError, decide, parse_spec, window_stats, worst_gaps
 from appliance.sim.fit import MIN_ROWS, EngineKey, StepTimeModel
@@ -446,15 +446,16 @@ def test_the_simulating_autopilot_stops_when_off_and_yields_to_a_manual_change()
 
 
 def stalling_window(ap: Autopilot, n: int = 200, chunks: tuple[int, ...] = (256, 200, 90, 256),
-                    hiccup: bool = False) -> float:
-    """`n` back-to-back steps of a known engine (step = 30 ms + 4 ms per decode row + 0.5 ms per
-    prefill token + 10 ms per prefill chunk + 1 us per context token), every 10th carrying one
-    prompt's prefill chunk (of `chunks` in turn) beside 2-6 decode rows, and two finished requests
-    (too few to replay). `hiccup`: the middle step carries a 64-token chunk and takes 300 ms (the
-    machine, not its composition). Returns the last step's end."""
-    t = T0
+                    hiccup: bool = False, t0: float = T0, fewest_rows: int = 2) -> float:
+    """`n` back-to-back steps from `t0` of a known engine (step = 30 ms + 4 ms per decode row +
+    0.5 ms per prefill token + 10 ms per prefill chunk + 1 us per context token), every 10th
+    carrying one prompt's prefill chunk (of `chunks` in turn) beside 2-6 decode rows (or
+    `fewest_rows` to 4 more), and two finished requests (too few to replay). `hiccup`: the middle
+    step carries a 64-token chunk and takes 300 ms (the machine, not its composition). Returns
+    the last step's end."""
+    t = t0
     for i in range(n):
-        rows, prefill = 2 + (i // 3) % 5, (0 if i % 10 else chunks[(i // 10) % len(chunks)])
+        rows, prefill = fewest_rows + (i // 3) % 5, (0 if i % 10 else chunks[(i // 10) % len(chunks)])
         ctx = 1000 + 10 * i
         duration = 0.03 + 0.004 * rows + 0.0005 * prefill + 0.01 * (prefill > 0) + 1e-6 * ctx
         if hiccup and i == n // 2:
@@ -465,7 +466,7 @@ def stalling_window(ap: Autopilot, n: int = 200, chunks: tuple[int, ...] = (256,
         ap.on_iteration(IterationStats(**base))
         t += duration
     for i in range(2):
-        ap.on_request(request(T0 + i, 0.1))
+        ap.on_request(request(t0 + i, 0.1))
     return t
 
 
@@ -510,6 +511,23 @@ def test_a_chunk_the_step_time_model_foresees_stalling_decode_is_cut_before_it_d
                                      "beside the 6 decode rows the window has run would keep them waiting")
     prediction = last["prediction"]
     assert prediction["foreseen_wait_s"] > 0.15 >= prediction["predicted_wait_s"]["128"]
+
+
+def test_a_chunk_cut_still_stalled_under_is_cut_deeper_inside_the_cooldown():
+    # foresight saw 2-6 decode rows and cut 256 -> 128 (141 ms beside 6 rows); then 10-14 rows
+    # run, and a 128-token step beside 13 of them takes 157 ms, over the 150 ms target: the stall
+    # seen under the cut deepens it to 64 FOLLOW_UP_S on, not after the 10 s cooldown; never
+    # sooner, and only on a stall seen since the last cut
+    ap, engine = pilot("ttft_p99=5s,itl_p99=150ms", fixed=FIXED, window_s=300, long_prefill_token_threshold=256)
+    cut_at = stalling_window(ap, chunks=(64,)) + 1
+    assert ap.tick(cut_at) is not None and engine.knobs.long_prefill_token_threshold == 128
+    end = stalling_window(ap, n=30, chunks=(128,), t0=cut_at + 0.1, fewest_rows=10)
+    assert ap.tick(cut_at + FOLLOW_UP_S - 0.1) is None  # the first stall came at once; a deeper cut waits
+    assert cut_at + FOLLOW_UP_S < end < cut_at + ap.cooldown_s - FOLLOW_UP_S
+    assert ap.tick(end) is not None and engine.knobs.long_prefill_token_threshold == 64
+    reason = ap.view()["moves"][-1]["reason"]
+    assert reason.startswith("long_prefill_token_threshold 128→64: ") and "kept decode rows waiting up to" in reason
+    assert ap.tick(end + FOLLOW_UP_S) is None and engine.version == 2  # no stall under 64: nothing more
 
 
 @pytest.mark.parametrize("itl_ms, n", [(250, 200), (150, 20)])

@@ -5,7 +5,12 @@ Given the engine's fixed settings it chooses with the what-if simulator fitted o
 (autopilot_choice); without them, by the rules alone (autopilot_policy).
 
 Guarantees: every move stays inside the operator's bounds (autopilot_policy); at most one move,
-and one round of simulations (they share the CPU with serving), per `cooldown_s`; a knob changed
+and one round of simulations (they share the CPU with serving), per `cooldown_s`, with one
+exception that never reverses anything: a chunk cut that prefill steps under the new chunk still
+stall past the ITL target is cut deeper (the seen-stall answer, a step-time fit and no replay)
+`FOLLOW_UP_S` after it, at most once per such stall (a cut foreseen from the first few decode rows
+can be one halving short once more rows run, and ten seconds of stalls every stream in flight
+misses); a knob changed
 by anyone else pauses it for `manual_hold_s` and a decision taken before that change is dropped
 (checked before applying, and by the engine itself: the move carries the knob version it was
 decided on, KnobConflict when that is stale); switching it off stops it before its next move;
@@ -30,6 +35,8 @@ from ..engine.knobs import KnobConflict, KnobSnapshot
 from ..records import IterationStats, KnobChange, RequestStats
 from .autopilot_choice import replayed, without_replay
 from .autopilot_policy import MIN_REQUESTS, Choice, Move, Spec, decide, window_stats
+from .autopilot_stalls import KNOB as CHUNK
+from .autopilot_stalls import chunk_cut
 from .autopilot_worker import ChoiceWorker
 
 log = logging.getLogger(__name__)
@@ -40,6 +47,8 @@ INTERVAL_S = 2.0
 # a prefill step wakes the thread before INTERVAL_S (see `on_iteration`), at most this often
 WAKE_SPACING_S = 0.5
 COOLDOWN_S = 10.0
+# a chunk cut still stalled past the ITL target is deepened this long after it, inside the cooldown
+FOLLOW_UP_S = 2.0
 MANUAL_HOLD_S = 60.0
 HISTORY = 50
 
@@ -72,6 +81,9 @@ class Autopilot(StatsSink):
         self._manual_at = float("-inf")
         self._manual_seq = 0  # counts knob changes by others; a decision spanning one is dropped
         self._last_raise: dict[str, int] = {}
+        self._cut_at = float("-inf")  # when the chunk was last cut, while that is the latest move
+        self._stall_at = float("-inf")  # the latest prefill step longer than the ITL target
+        self._follow_up_at = float("-inf")  # the latest deeper-cut decision inside a cooldown
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
@@ -86,9 +98,14 @@ class Autopilot(StatsSink):
         with self._lock:
             self._iterations.append(stats)
             spec = self.spec
-            wake = (self.enabled and spec is not None and stats.prefill_tokens > 0
-                    and stats.started_at - max(self._last_move_at, self._last_sim_at) >= self.cooldown_s
-                    and (len(self._requests) < MIN_REQUESTS or stats.duration_s > spec.targets.get("itl_p99", 1e9)))
+            stall = (spec is not None and stats.prefill_tokens > 0
+                     and stats.duration_s > spec.targets.get("itl_p99", float("inf")))
+            if stall:
+                self._stall_at = stats.started_at
+            wake = self.enabled and stats.prefill_tokens > 0 and (
+                (stats.started_at - max(self._last_move_at, self._last_sim_at) >= self.cooldown_s
+                 and (len(self._requests) < MIN_REQUESTS or stall))
+                or self._follow_up_due(stats.started_at))
         if wake:
             self._wake.set()
 
@@ -102,6 +119,7 @@ class Autopilot(StatsSink):
                 self._manual_at = change.applied_at
                 self._manual_seq += 1
                 self._last_raise = {}  # the operator's values are the new baseline
+                self._cut_at = float("-inf")
 
     # -- control --------------------------------------------------------------------------------
     def configure(self, enabled: bool | None = None, spec: Spec | None = None) -> None:
@@ -141,15 +159,23 @@ class Autopilot(StatsSink):
                     self.status = "holding: a knob was changed by hand"
                     return None
                 self.status = "watching"
-                if now - max(self._last_move_at, self._last_sim_at) < self.cooldown_s:
+                follow_up = now - max(self._last_move_at, self._last_sim_at) < self.cooldown_s
+                if follow_up and not self._follow_up_due(now):
                     return None  # at most one move, and one simulated decision, per cooldown
+                if follow_up:
+                    self._follow_up_at = now
                 iterations, requests = list(self._iterations), list(self._requests)
                 seq, spec = self._manual_seq, self.spec
                 # a raise is given back only once a whole window has been read under it (hysteresis:
                 # a burst that ends just after a raise does not undo it ten seconds later)
                 last_raise = dict(self._last_raise) if now - self._last_move_at >= self.window_s else {}
             snap = self._knobs()
-            choice = self._choose(iterations, requests, snap.knobs, spec, last_raise)
+            if follow_up:  # only a stall seen under the cut deepens it: no foresight, no replay
+                choice = chunk_cut(iterations, snap.knobs, spec, self._fixed(), foresee=False) if self._fixed else None
+                if choice is None:
+                    return None
+            else:
+                choice = self._choose(iterations, requests, snap.knobs, spec, last_raise)
             with self._lock:
                 if choice.move is None and choice.reason != (self.last_decision or {}).get("reason"):
                     log.info("autopilot: %s", choice.reason)  # a hold, logged when its reason changes
@@ -178,6 +204,7 @@ class Autopilot(StatsSink):
                     self._last_raise = {name: before[name]}
                 elif self._last_raise.get(name) is not None:
                     self._last_raise = {}
+                self._cut_at = now if name == CHUNK and value < before[name] else float("-inf")
                 self.moves.append({"at": now, "version": change.version, "changes": move.changes,
                                    "reason": choice.reason, "prediction": choice.prediction})
                 # drop the window: the next decision reads traffic under the new knobs only
@@ -204,6 +231,15 @@ class Autopilot(StatsSink):
             return run(iterations, requests, knobs, spec, fixed, last_raise)
         move = decide(window_stats(iterations, requests), knobs, spec, last_raise)
         return Choice(move, move.reason if move else "hold: the rules propose nothing")
+
+    def _follow_up_due(self, now: float) -> bool:
+        """Whether a deeper cut of the chunk may be decided now, inside the cooldown (under the
+        lock): the latest move cut the chunk at least FOLLOW_UP_S ago, a prefill step since the
+        cut (and since the last such decision) took longer than the ITL target, and the last such
+        decision was at least FOLLOW_UP_S ago."""
+        return (self._fixed is not None and FOLLOW_UP_S <= now - self._cut_at < self.cooldown_s
+                and self._stall_at > max(self._cut_at, self._follow_up_at)
+                and now - self._follow_up_at >= FOLLOW_UP_S)
 
     def _trim(self, now: float) -> None:
         while self._iterations and self._iterations[0].started_at < now - self.window_s:
