@@ -171,7 +171,8 @@ class Autopilot(StatsSink):
                 last_raise = dict(self._last_raise) if now - self._last_move_at >= self.window_s else {}
             snap = self._knobs()
             if follow_up:  # only a stall seen under the cut deepens it: no foresight, no replay
-                choice = chunk_cut(iterations, snap.knobs, spec, self._fixed(), foresee=False) if self._fixed else None
+                assert self._fixed is not None  # _follow_up_due holds only with the fixed settings
+                choice = chunk_cut(iterations, snap.knobs, spec, self._fixed(), foresee=False)
                 if choice is None:
                     return None
             else:
