@@ -61,6 +61,7 @@ static inline bf16_t f32_to_bf16(float f) { /* round to nearest even, as torch d
         const T *kh = k_cache + h * num_slots * D, *vh = v_cache + h * num_slots * D;                \
         float qf[MAX_GROUP][MAX_DIM], acc[MAX_GROUP][MAX_DIM], s[MAX_GROUP][CHUNK];                  \
         float m[MAX_GROUP], l[MAX_GROUP];                                                            \
+        int64_t slot[CHUNK], blk = 0, off = 0; /* each token's cache offset, walked block by block */ \
         for (int64_t g = 0; g < group; g++) {                                                        \
             const T *qg = q + i * q_row_stride + (h * group + g) * q_head_stride;                    \
             for (int64_t d = 0; d < D; d++) { qf[g][d] = LOAD(qg[d]) * scale; acc[g][d] = 0.f; }     \
@@ -70,8 +71,11 @@ static inline bf16_t f32_to_bf16(float f) { /* round to nearest even, as torch d
         for (int64_t t0 = 0; t0 < ctx; t0 += CHUNK) {                                                \
             const int64_t n = ctx - t0 < CHUNK ? ctx - t0 : CHUNK;                                   \
             for (int64_t t = 0; t < n; t++) {                                                        \
-                const int64_t pos = t0 + t;                                                          \
-                const T *kt = kh + (table[pos / block_size] * block_size + pos % block_size) * D;     \
+                slot[t] = (table[blk] * block_size + off) * D;                                       \
+                if (++off == block_size) { off = 0; blk++; }                                         \
+            }                                                                                        \
+            for (int64_t t = 0; t < n; t++) {                                                        \
+                const T *kt = kh + slot[t];                                                          \
                 for (int64_t g = 0; g < group; g++) {                                                \
                     float dot = 0.f;                                                                 \
                     _Pragma("omp simd reduction(+ : dot)")                                           \
@@ -90,8 +94,7 @@ static inline bf16_t f32_to_bf16(float f) { /* round to nearest even, as torch d
                     for (int64_t d = 0; d < D; d++) acc[g][d] *= rescale;                            \
             }                                                                                        \
             for (int64_t t = 0; t < n; t++) {                                                        \
-                const int64_t pos = t0 + t;                                                          \
-                const T *vt = vh + (table[pos / block_size] * block_size + pos % block_size) * D;     \
+                const T *vt = vh + slot[t];                                                          \
                 for (int64_t g = 0; g < group; g++) {                                                \
                     const float p = s[g][t];                                                         \
                     _Pragma("omp simd")                                                              \
