@@ -72,6 +72,21 @@ def test_replay_at_the_recorded_knobs_serves_every_request_and_keeps_the_model(r
     assert len(baseline["timeline"]["t"]) == len(baseline["timeline"]["kv_usage"]) > 0
 
 
+def test_a_runs_stored_model_is_reused_and_refit_fits_again(recorded, capsys):
+    db, run_id, _, _ = recorded
+    status, out, err = simulate(capsys, "--run", run_id, "--db", db, "--json")
+    assert status == 0, err
+    first, before = json.loads(out)["model"], stored_models(db)
+    status, out, err = simulate(capsys, "--run", run_id, "--db", db, "--set", "max_num_seqs=2", "--json")
+    assert status == 0, err
+    assert json.loads(out)["model"] == first and stored_models(db) == before  # the stored fit, nothing new
+    status, out, err = simulate(capsys, "--run", run_id, "--db", db, "--refit", "--json")
+    assert status == 0, err
+    refit = json.loads(out)["model"]
+    assert refit["id"] != first["id"] and stored_models(db) == before + 1
+    assert refit["coefficients"] == pytest.approx(first["coefficients"], rel=1e-9)  # the same rows, the same fit
+
+
 def test_one_sequence_at_a_time_queues_more(recorded, capsys):
     db, run_id, _, _ = recorded
     status, out, err = simulate(capsys, "--run", run_id, "--db", db, "--set", "max_num_seqs=1", "--json")

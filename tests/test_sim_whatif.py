@@ -106,6 +106,16 @@ def test_a_recorded_run_at_one_sequence_queues_more_and_nothing_is_applied(recor
     assert knobs_in_force(srv) == before and stored_models(srv) == models + 1
 
 
+def test_a_second_question_about_a_run_reuses_its_stored_model(recorded):
+    srv, run_id, _, _ = recorded
+    first = simulate(srv, {"run_id": run_id, "knobs": {"max_num_seqs": 2}})
+    assert first.status_code == 200, first.text
+    models = stored_models(srv)
+    again = simulate(srv, {"run_id": run_id, "knobs": {"max_num_seqs": 4}})
+    assert again.status_code == 200, again.text
+    assert again.json()["model"] == first.json()["model"] and stored_models(srv) == models
+
+
 def test_the_last_minutes_replay_this_replicas_own_requests(recorded):
     srv, _, requests, _ = recorded
     response = simulate(srv, {"last_minutes": 60, "knobs": {"max_num_batched_tokens": 256}})

@@ -90,8 +90,8 @@ def answer(db_url: str, query: SimulateRequest, running: Running) -> dict[str, A
     (unknown run), KnobError, NoMatch, or ValueError (the run cannot be replayed)."""
     from appliance.sim import whatif
     from appliance.sim.cli import model_view, outcome_view, run_view
-    from appliance.sim.fit import EngineKey, fit_step_time
-    from appliance.sim.records import load_run, save_model
+    from appliance.sim.fit import EngineKey
+    from appliance.sim.records import load_run
     from appliance.sim.replay import check_fits
     from appliance.sim.window import NoMatchingIterations, knobs_at, load_window
 
@@ -116,8 +116,7 @@ def answer(db_url: str, query: SimulateRequest, running: Running) -> dict[str, A
             raise NoMatch(str(exc)) from None
     proposed = whatif.scenario(run.knobs, run.cache, query.knobs)  # KnobError before anything is fitted or stored
     check_fits(run.requests, proposed.cache)
-    model = fit_step_time(run.iterations, run.key, replica_id=run.replica_id, run_id=query.run_id)
-    save_model(db_url, model)
+    model = whatif.fit_for_run(db_url, run)  # a stored run's model is reused, a window's fitted anew
     concurrency = whatif.run_concurrency(run)
     baseline, predicted = whatif.what_if(run, model, [(dict(query.knobs), proposed)], slo=None,
                                          requests=run.requests, concurrency=concurrency)

@@ -5,7 +5,8 @@
     appliance simulate --run RUN_ID --rate R (--replicas N | --max-replicas M) --slo ...
 
 The step-time model is fitted on the run's own iterations (or `--fit-run`'s, or the last
-`--fit-last` of its replica) and kept in the store. The first row is the replay at the recorded
+`--fit-last` of its replica) and kept in the store; a run's model already in the store is reused
+(`--refit` fits it again). The first row is the replay at the recorded
 knobs, beside what was measured: the simulator's error on this run.
 
 Exit status: 0 answered; 1 fleet sizing found no fleet within --max-replicas; 2 bad input.
@@ -81,6 +82,8 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     fit.add_argument("--fit-run", default=None, metavar="RUN_ID", help="fit the step times on this run's iterations")
     fit.add_argument("--fit-last", type=_duration, default=None, metavar="DURATION",
                      help="fit on the run's replica's iterations of the last DURATION (e.g. 10m)")
+    parser.add_argument("--refit", action="store_true",
+                        help="fit the run's step times again, even when the store holds a model fitted on them")
     parser.add_argument("--db", default=None, help="telemetry store URL (default: sqlite:///appliance.db)")
     parser.add_argument("--json", action="store_true", help="print one JSON object, not a table")
 
@@ -178,11 +181,11 @@ def _fit(db: str, run: Any, args: argparse.Namespace) -> Any:
         if source.key != run.key:
             raise ValueError(f"--fit-run {args.fit_run}: recorded on another engine ({source.key}) than run "
                              f"{run.run_id} ({run.key})")
-        return whatif.fit_for_run(db, source)
+        return whatif.fit_for_run(db, source, refit=args.refit)
     if args.fit_last is not None:
         now = time.time()
         return whatif.fit_for_run(db, run, since=now - args.fit_last, until=now)
-    return whatif.fit_for_run(db, run)
+    return whatif.fit_for_run(db, run, refit=args.refit)
 
 
 # ---------------------------------------------------------------------------------------- views

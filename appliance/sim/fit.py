@@ -137,6 +137,11 @@ class StepTimeModel:
         return out
 
 
+def usable_rows(rows: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The iteration rows a fit uses: those with `decode_context_tokens` and a positive duration."""
+    return [r for r in rows if r.get("decode_context_tokens") is not None and r["duration_s"] > 0]
+
+
 def fit_step_time(
     rows: Sequence[Mapping[str, Any]],
     key: EngineKey,
@@ -149,7 +154,7 @@ def fit_step_time(
     Rows without `decode_context_tokens` (stored before that metric existed) are skipped. Raises
     FitError naming the count when fewer than MIN_ROWS usable rows remain.
     """
-    usable = [r for r in rows if r.get("decode_context_tokens") is not None and r["duration_s"] > 0]
+    usable = usable_rows(rows)
     if len(usable) < MIN_ROWS:
         skipped = len(rows) - len(usable)
         note = f" ({skipped} lack decode_context_tokens or a duration)" if skipped else ""

@@ -18,8 +18,8 @@ from appliance.bench.loadgen import arrival_offsets
 from appliance.bench.metrics import SLO, RequestResult, Summary, summarize
 from appliance.bench.workloads import BenchRequest
 from appliance.engine.knobs import KnobError, Knobs, field_errors
-from appliance.sim.fit import StepTimeModel, fit_step_time
-from appliance.sim.records import RecordedRun, iteration_rows, save_model
+from appliance.sim.fit import StepTimeModel, fit_step_time, usable_rows
+from appliance.sim.records import RecordedRun, iteration_rows, latest_model, save_model
 from appliance.sim.replay import CacheShape, ReplayResult, SimRequest, StepTimer, replay
 
 CACHE_SETTINGS = ("num_blocks",)  # what-if settings beside the knobs (a restart would apply them)
@@ -145,11 +145,16 @@ def _check_alone(knobs: Knobs, cache: CacheShape, name: str, value: Any) -> None
 
 
 def fit_for_run(target: Any, run: RecordedRun, *, since: float | None = None, until: float | None = None,
-                store: bool = True) -> StepTimeModel:
-    """Fit the step-time model on the run's own iterations (or on its replica's [since, until])
-    and keep it in the store."""
+                store: bool = True, refit: bool = False) -> StepTimeModel:
+    """The step-time model of the run's own iterations (or of its replica's [since, until]), kept
+    in the store. A stored run's own model is fitted once: the store's model for this run and
+    engine is reused while it covers every iteration of the run and keeps the step-time spread
+    (older fits did not; `refit`: fit again anyway)."""
     if since is None:
-        rows, run_id = run.iterations, run.run_id
+        rows, run_id = run.iterations, run.run_id or None
+        stored = None if run_id is None or refit else latest_model(target, run.key, run_id)
+        if stored is not None and stored.noise and stored.rows_used + stored.rows_held_out == len(usable_rows(rows)):
+            return stored
     else:
         rows, run_id = iteration_rows(target, run.replica_id, since, until if until is not None else float("inf")), None
     model = fit_step_time(rows, run.key, replica_id=run.replica_id, run_id=run_id)
