@@ -103,6 +103,10 @@ def test_a_recorded_run_at_one_sequence_queues_more_and_nothing_is_applied(recor
     assert source["kind"] == "run"
     assert source["since"] <= model["window_start"] <= model["window_end"] <= source["until"]
     assert report["recorded"]["completed"] == 30 and report["recorded_by"] == "client"
+    recorded_line = report["recorded_timeline"]  # the run's own iterations, as stored
+    assert len(recorded_line["t"]) == len(recorded_line["kv_usage"]) == len(recorded_line["running"]) > 0
+    assert source["since"] <= recorded_line["t"][0] and max(recorded_line["running"]) <= 8
+    assert all(0 <= u <= 1 for u in recorded_line["kv_usage"]) and max(recorded_line["kv_usage"]) > 0
     assert knobs_in_force(srv) == before and stored_models(srv) == models + 1
 
 
@@ -216,6 +220,9 @@ def test_predict_then_apply_sends_the_predicted_knobs_in_one_patch(recorded, cli
     assert "held-out error" in text and "max_num_seqs=2" in text and "| TTFT p99 |" in text
     assert "step times vary" in text  # the fitted spread the replay draws from
     assert "simulated, same knobs" in text and plot is not None
+    traces = json.dumps(plot)
+    assert all(f"{what}, {name}" in traces for what in ("running", "KV usage %")
+               for name in ("recorded", "same knobs", "predicted"))
     assert knobs_in_force(srv) == before  # predicting applies nothing
     outputs = client.predict(api_name="/whatif_apply")
     after = knobs_in_force(srv)

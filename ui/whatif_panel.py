@@ -80,17 +80,23 @@ def report_markdown(report: dict[str, Any]) -> str:
 
 
 def timeline_figure(report: dict[str, Any]) -> go.Figure:
-    """Running and waiting sequences over (virtual) seconds: at the recorded knobs vs predicted."""
+    """Running and waiting sequences (left axis) and KV usage (right axis) over seconds from the
+    first iteration: recorded, replayed at the recorded knobs, and predicted."""
     fig = go.Figure()
-    for i, (name, key) in enumerate((("same knobs", "baseline"), ("predicted", "predicted"))):
-        line = report[key].get("timeline") or {"t": [], "running": [], "waiting": []}
-        t0 = line["t"][0] if line["t"] else 0.0
-        t = [x - t0 for x in line["t"]]
-        fig.add_trace(go.Scatter(x=t, y=line["running"], name=f"running, {name}", mode="lines",
-                                 line=dict(color=COLORS[i])))
+    lines = (("recorded", report.get("recorded_timeline")), ("same knobs", report["baseline"].get("timeline")),
+             ("predicted", report["predicted"].get("timeline")))
+    for i, (name, line) in enumerate(lines):
+        if not line or not line["t"]:
+            continue
+        t = [x - line["t"][0] for x in line["t"]]
+        color = COLORS[i % len(COLORS)]
+        fig.add_trace(go.Scatter(x=t, y=line["running"], name=f"running, {name}", mode="lines", line=dict(color=color)))
         fig.add_trace(go.Scatter(x=t, y=line["waiting"], name=f"waiting, {name}", mode="lines",
-                                 line=dict(color=COLORS[i], dash="dot")))
-    fig.update_layout(**layout("Simulated queue", "sequences", "seconds"))
+                                 line=dict(color=color, dash="dot")))
+        fig.add_trace(go.Scatter(x=t, y=[100 * u for u in line["kv_usage"]], name=f"KV usage %, {name}",
+                                 mode="lines", line=dict(color=color, dash="dash", width=1), yaxis="y2"))
+    fig.update_layout(**layout("Queue and KV cache: recorded, replayed, predicted", "sequences", "seconds"))
+    fig.update_layout(yaxis2=dict(title="KV usage %", overlaying="y", side="right", range=[0, 100], showgrid=False))
     return fig
 
 

@@ -4,8 +4,8 @@
 
 replays a recorded run (or this replica's requests of the last N minutes) at the knobs it ran
 with and at those knobs with `knobs` on top, through the engine's own scheduler on a virtual
-clock (appliance.sim), and answers both with what was measured, the step-time model's held-out
-error and the window it was fitted on. Only iterations of the running configuration are used:
+clock (appliance.sim), and answers both with what was measured (its summary and the recorded
+iterations' timeline), the step-time model's held-out error and the window it was fitted on. Only iterations of the running configuration are used:
 a run recorded on another engine configuration, or a window with too few iterations since this
 engine started, is answered 422 "no_matching_iterations" instead of a guess. Nothing is applied
 (PATCH /admin/knobs does that). The replay runs in a worker thread, off the event loop.
@@ -89,7 +89,7 @@ def answer(db_url: str, query: SimulateRequest, running: Running) -> dict[str, A
     """The simulation report (blocking: replays in the calling thread). Raises LookupError
     (unknown run), KnobError, NoMatch, or ValueError (the run cannot be replayed)."""
     from appliance.sim import whatif
-    from appliance.sim.cli import model_view, outcome_view, run_view
+    from appliance.sim.cli import model_view, outcome_view, run_view, timeline
     from appliance.sim.fit import EngineKey
     from appliance.sim.records import load_run
     from appliance.sim.replay import check_fits
@@ -127,6 +127,7 @@ def answer(db_url: str, query: SimulateRequest, running: Running) -> dict[str, A
         "running_engine": str(key),
         "model": model_view(model),
         "recorded": (run.summary or {}).get("summary"),
+        "recorded_timeline": timeline(run.iterations),
         "recorded_by": "client" if query.run_id else "server",
         "baseline": outcome_view(baseline),
         "predicted": outcome_view(predicted),

@@ -18,6 +18,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from appliance.bench.metrics import SLO
@@ -236,14 +237,17 @@ def _fleet_view(p: Any) -> dict[str, Any]:
     return {"replicas": p.replicas, "attainment": p.attainment, "summary": p.summary.as_dict()}
 
 
-def timeline(iterations: list[Any], points: int = 300) -> dict[str, list[float]]:
-    """Running, waiting, KV usage and preemptions over virtual time (every k-th iteration)."""
+def timeline(iterations: Sequence[Any], points: int = 300) -> dict[str, list[float]]:
+    """Running, waiting, KV usage and preemptions over time (every k-th iteration), of replayed
+    IterationStats (virtual time) or of a run's stored iteration rows (mappings, wall time)."""
+    get = (lambda it, name: it[name]) if iterations and isinstance(iterations[0], Mapping) else getattr
     step = max(1, -(-len(iterations) // points))
     picked = iterations[::step]
-    return {"t": [it.started_at for it in picked], "running": [it.running for it in picked],
-            "waiting": [it.waiting for it in picked],
-            "kv_usage": [it.kv_blocks_used / it.kv_blocks_total for it in picked],
-            "preemptions": [sum(x.preemptions for x in iterations[i:i + step]) for i in range(0, len(iterations), step)]}
+    return {"t": [get(it, "started_at") for it in picked], "running": [get(it, "running") for it in picked],
+            "waiting": [get(it, "waiting") for it in picked],
+            "kv_usage": [get(it, "kv_blocks_used") / get(it, "kv_blocks_total") for it in picked],
+            "preemptions": [sum(get(x, "preemptions") for x in iterations[i:i + step])
+                            for i in range(0, len(iterations), step)]}
 
 
 # ------------------------------------------------------------------------------------- printing
