@@ -218,6 +218,7 @@ def test_predict_then_apply_sends_the_predicted_knobs_in_one_patch(recorded, cli
     assert knobs_in_force(srv) == before
     text, plot, *_ = client.predict(run_id, 10, 2, 128, 32, 1, 1, "continuous", api_name="/whatif_predict")
     assert "held-out error" in text and "max_num_seqs=2" in text and "| TTFT p99 |" in text
+    assert all(f"| {m} p90 |" in text for m in ("TTFT", "TPOT", "ITL", "E2E"))
     assert "step times vary" in text  # the fitted spread the replay draws from
     assert "simulated, same knobs" in text and plot is not None
     traces = json.dumps(plot)

@@ -19,7 +19,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from appliance.numeric import ms_text
 from appliance.policies import POLICIES
-from appliance.sim.cli import METRICS, spread_text
+from appliance.sim.cli import ALL_METRICS, spread_text
 from appliance.telemetry import runs
 from ui.api_client import ApiError
 from ui.charts import COLORS, layout
@@ -73,7 +73,7 @@ def report_markdown(report: dict[str, Any]) -> str:
     recorded = report["recorded"]
     base, predicted = report["baseline"].get("summary"), report["predicted"].get("summary")
     lines += ["", f"| | recorded ({recorded_by}) | simulated, same knobs | predicted |", "|---|---|---|---|"]
-    for label, get in METRICS:
+    for label, get in ALL_METRICS:
         lines.append(f"| {label} | {_cell(label, recorded, get)} | {_cell(label, base, get)} | "
                      f"{_cell(label, predicted, get)} |")
     return "\n".join(lines)
