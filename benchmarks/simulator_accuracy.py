@@ -5,8 +5,8 @@
    fitted, not compared), then set knobs A and record the workload once.
 2. Fit the step-time model on that run's iterations (appliance.sim), and predict the workload at A
    and at the other settings by replay (no traffic).
-3. Measure every setting live --repeats times (default 3), alternating (A B C D E, then
-   E D C B A, then A B C D E ...) so drift hits all alike, and print per metric: the
+3. Measure every setting live --repeats times (default 3), alternating (A B C D E F, then
+   F E D C B A, then A B C D E F ...) so drift hits all alike, and print per metric: the
    prediction's absolute percentage error against the mean of the live runs, beside their
    run-to-run spread (max - min) / mean.
 4. The model's step-time error on every live run's own iterations is printed as "step drift"
@@ -55,6 +55,7 @@ SETTINGS = {  # changes from A
     "seqs=48,budget=512": {"max_num_seqs": 48, "max_num_batched_tokens": 512},
     "budget=64,chunk=32": {"max_num_batched_tokens": 64, "long_prefill_token_threshold": 32},
     "chunk=32,partial=2": {"long_prefill_token_threshold": 32, "max_num_partial_prefills": 2},
+    "policy=static": {"scheduling_policy": "static"},
 }
 METRICS = {
     "throughput": lambda s: s.output_throughput,
