@@ -87,6 +87,20 @@ def test_a_runs_stored_model_is_reused_and_refit_fits_again(recorded, capsys):
     assert refit["coefficients"] == pytest.approx(first["coefficients"], rel=1e-9)  # the same rows, the same fit
 
 
+def test_a_run_too_short_to_fit_replays_on_another_runs_fit_or_the_last_hour(recorded, capsys):
+    db, run_id, tiny_id, _ = recorded
+    status, out, err = simulate(capsys, "--run", tiny_id, "--db", db, "--fit-run", run_id, "--json")
+    assert status == 0, err
+    report = json.loads(out)
+    on_run = report["model"]
+    assert on_run["run_id"] == run_id and report["outcomes"][0]["summary"]["completed"] == 1
+    status, out, err = simulate(capsys, "--run", tiny_id, "--db", db, "--fit-last", "1h", "--json")
+    assert status == 0, err
+    window = json.loads(out)["model"]  # the replica's last hour: both runs' iterations
+    assert window["run_id"] is None
+    assert window["rows_used"] + window["rows_held_out"] > on_run["rows_used"] + on_run["rows_held_out"]
+
+
 def test_one_sequence_at_a_time_queues_more(recorded, capsys):
     db, run_id, _, _ = recorded
     status, out, err = simulate(capsys, "--run", run_id, "--db", db, "--set", "max_num_seqs=1", "--json")

@@ -89,7 +89,7 @@ def timeline_figure(report: dict[str, Any]) -> go.Figure:
         if not line or not line["t"]:
             continue
         t = [x - line["t"][0] for x in line["t"]]
-        color = COLORS[i % len(COLORS)]
+        color = COLORS[i]
         fig.add_trace(go.Scatter(x=t, y=line["running"], name=f"running, {name}", mode="lines", line=dict(color=color)))
         fig.add_trace(go.Scatter(x=t, y=line["waiting"], name=f"waiting, {name}", mode="lines",
                                  line=dict(color=color, dash="dot")))

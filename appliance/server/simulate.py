@@ -5,9 +5,10 @@
 replays a recorded run (or this replica's requests of the last N minutes) at the knobs it ran
 with and at those knobs with `knobs` on top, through the engine's own scheduler on a virtual
 clock (appliance.sim), and answers both with what was measured (its summary and the recorded
-iterations' timeline), the step-time model's held-out error and the window it was fitted on. Only iterations of the running configuration are used:
-a run recorded on another engine configuration, or a window with too few iterations since this
-engine started, is answered 422 "no_matching_iterations" instead of a guess. Nothing is applied
+iterations' timeline), the step-time model's held-out error and the window it was fitted on.
+Only iterations of the running configuration are used: a run recorded on another engine
+configuration, or a window with too few iterations since this engine started, is answered 422
+"no_matching_iterations" instead of a guess. Nothing is applied
 (PATCH /admin/knobs does that). The replay runs in a worker thread, off the event loop.
 """
 
