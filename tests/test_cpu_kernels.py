@@ -62,6 +62,7 @@ def _reference(q, k_cache, v_cache, tables, ctx_lens, block_size, scale):
         (torch.float32, 8, 1, 80, 5, [7, 31, 32, 96]),  # one KV head for all, odd block size and dim
         (torch.float32, 9, 3, 64, 16, [700, 5, 900]),  # enough context to run on every thread
         (torch.bfloat16, 9, 3, 64, 16, [2, 40, 300]),
+        (torch.bfloat16, 10, 2, 96, 8, [1, 33, 200]),  # a head size and group with no copy of their own
     ],
 )
 def test_kernel_matches_dense_attention(kernel, dtype, heads, kv_heads, head_dim, block_size, ctx_lens):
@@ -89,6 +90,7 @@ def test_kernel_declines_what_it_cannot_run(kernel):
     cpu = torch.device("cpu")
     assert not kernel.supports_attention(torch.float16, cpu, 9, 3, 64)
     assert not kernel.supports_attention(torch.float32, cpu, 9, 3, kernel.max_dim + 1)
+    assert not kernel.supports_attention(torch.float32, cpu, 9, 3, 72)  # not a whole number of vectors
     assert not kernel.supports_attention(torch.float32, cpu, 10, 3, 64)  # heads not a multiple of KV heads
     assert not kernel.supports_attention(torch.float32, torch.device("meta"), 9, 3, 64)
 

@@ -50,6 +50,7 @@ class CpuKernels:
     def __init__(self, lib: ctypes.CDLL):
         self.max_group = lib.paged_decode_max_group()
         self.max_dim = lib.paged_decode_max_dim()
+        self.dim_multiple = lib.paged_decode_dim_multiple()
         self._fns: dict[tuple[str, torch.dtype], ctypes._CFuncPtr] = {}
         for name, argtypes in _SIGNATURES.items():
             for dtype, suffix in _SUFFIX.items():
@@ -64,7 +65,8 @@ class CpuKernels:
     def supports_attention(self, dtype: torch.dtype, device: torch.device, num_heads: int, kv_heads: int,
                            head_dim: int) -> bool:
         return (self.supports(dtype, device) and num_heads % kv_heads == 0
-                and num_heads // kv_heads <= self.max_group and head_dim <= self.max_dim)
+                and num_heads // kv_heads <= self.max_group and head_dim <= self.max_dim
+                and head_dim % self.dim_multiple == 0)
 
     def paged_decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      ctx_lens: torch.Tensor, block_size: int, scale: float, out: torch.Tensor) -> None:
@@ -134,7 +136,7 @@ def _build(compiler: str) -> Path:
 
 
 def load() -> CpuKernels | None:
-    """The kernels, built on the first call (about a second); None where they cannot be built or loaded."""
+    """The kernels, built on the first call (several seconds; cached); None where they cannot be built or loaded."""
     if "kernels" in _state:
         return _state["kernels"]
     kernels = None

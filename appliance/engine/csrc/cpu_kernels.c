@@ -2,7 +2,8 @@
  *
  * - paged_decode_*: one query token per row against that row's cached context, read block by
  *   block straight from the paged KV cache (no gathered copy), online softmax, OpenMP over
- *   (row, KV head); the query heads that share a KV head are served by one pass over it.
+ *   (row, KV head); the query heads that share a KV head are served by one pass over it, in
+ *   16-float vectors (head_dim a multiple of 16).
  * - rms_norm_*, rotary_*, silu_mul_*: the llama layer's elementwise work, one pass each where
  *   torch needs five to eight kernels (and as many passes over memory).
  *
@@ -47,24 +48,57 @@ static inline bf16_t f32_to_bf16(float f) { /* round to nearest even, as torch d
 #define F32_ROUND(x) (x)
 #define BF16_ROUND(x) bf16_to_f32(f32_to_bf16(x))
 
+/* 16 floats: one AVX-512 register, two AVX ones (gcc lowers the vector type to what -march has).
+ * The decode kernel works on head_dim / 16 of them per cached token. */
+typedef float v16f __attribute__((vector_size(64)));
+typedef uint16_t v16h __attribute__((vector_size(32)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+#define LANES 16
+
+static inline __attribute__((always_inline)) v16f load16_f32(const float *p) {
+    v16f v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline __attribute__((always_inline)) v16f load16_bf16(const bf16_t *p) {
+    v16h h;
+    memcpy(&h, p, sizeof h);
+    const v16u bits = __builtin_convertvector(h, v16u) << 16;
+    v16f v;
+    memcpy(&v, &bits, sizeof v);
+    return v;
+}
+
+static inline __attribute__((always_inline)) float sum16(v16f v) {
+    float s = 0.f;
+    for (int e = 0; e < LANES; e++) s += v[e];
+    return s;
+}
+
 /* One (row, KV head) pair per call of the item function, inlined into a copy per common head
- * size (the switch runs inside the OpenMP loop so that each copy sees D as a constant). */
-#define DEFINE_PAGED_DECODE(NAME, T, LOAD, STORE)                                                    \
+ * size and group (query heads per KV head): with both constant, the query and the accumulators
+ * (group x head_dim / 16 vectors) stay in registers and every loop over them unrolls. The
+ * switch runs inside the OpenMP loop so that each copy sees its constants. */
+#define DEFINE_PAGED_DECODE(NAME, T, LOAD16, STORE)                                                  \
     static inline __attribute__((always_inline)) void NAME##_item(                                   \
         const T *q, int64_t q_row_stride, int64_t q_head_stride, const T *k_cache, const T *v_cache, \
-        const int64_t *block_tables, int64_t table_width, const int64_t *ctx_lens,                   \
-        int64_t num_heads, int64_t kv_heads, const int64_t D, int64_t block_size, int64_t num_slots, \
-        float scale, T *out, int64_t item) {                                                         \
-        const int64_t group = num_heads / kv_heads;                                                  \
+        const int64_t *block_tables, int64_t table_width, const int64_t *ctx_lens, int64_t kv_heads, \
+        const int64_t D, const int64_t G, int64_t block_size, int64_t num_slots, float scale,       \
+        T *out, int64_t item) {                                                                      \
+        const int64_t nv = D / LANES;                                                                \
         const int64_t i = item / kv_heads, h = item % kv_heads, ctx = ctx_lens[i];                   \
         const int64_t *table = block_tables + i * table_width;                                       \
         const T *kh = k_cache + h * num_slots * D, *vh = v_cache + h * num_slots * D;                \
-        float qf[MAX_GROUP][MAX_DIM], acc[MAX_GROUP][MAX_DIM], s[MAX_GROUP][CHUNK];                  \
-        float m[MAX_GROUP], l[MAX_GROUP];                                                            \
+        v16f qv[MAX_GROUP][MAX_DIM / LANES], acc[MAX_GROUP][MAX_DIM / LANES];                        \
+        float s[MAX_GROUP][CHUNK], m[MAX_GROUP], l[MAX_GROUP];                                       \
         int64_t slot[CHUNK], blk = 0, off = 0; /* each token's cache offset, walked block by block */ \
-        for (int64_t g = 0; g < group; g++) {                                                        \
-            const T *qg = q + i * q_row_stride + (h * group + g) * q_head_stride;                    \
-            for (int64_t d = 0; d < D; d++) { qf[g][d] = LOAD(qg[d]) * scale; acc[g][d] = 0.f; }     \
+        for (int64_t g = 0; g < G; g++) {                                                            \
+            const T *qg = q + i * q_row_stride + (h * G + g) * q_head_stride;                        \
+            for (int64_t j = 0; j < nv; j++) {                                                       \
+                qv[g][j] = LOAD16(qg + LANES * j) * scale;                                           \
+                acc[g][j] = (v16f){0};                                                               \
+            }                                                                                        \
             m[g] = -3.0e38f; /* finite: -ffast-math assumes no infinities */                         \
             l[g] = 0.f;                                                                              \
         }                                                                                            \
@@ -74,38 +108,36 @@ static inline bf16_t f32_to_bf16(float f) { /* round to nearest even, as torch d
                 slot[t] = (table[blk] * block_size + off) * D;                                       \
                 if (++off == block_size) { off = 0; blk++; }                                         \
             }                                                                                        \
-            for (int64_t t = 0; t < n; t++) {                                                        \
-                const T *kt = kh + slot[t];                                                          \
-                for (int64_t g = 0; g < group; g++) {                                                \
-                    float dot = 0.f;                                                                 \
-                    _Pragma("omp simd reduction(+ : dot)")                                           \
-                    for (int64_t d = 0; d < D; d++) dot += qf[g][d] * LOAD(kt[d]);                   \
-                    s[g][t] = dot;                                                                   \
+            for (int64_t t = 0; t < n; t++) { /* scores: each key row loaded once for the group */   \
+                v16f k[MAX_DIM / LANES];                                                             \
+                for (int64_t j = 0; j < nv; j++) k[j] = LOAD16(kh + slot[t] + LANES * j);            \
+                for (int64_t g = 0; g < G; g++) {                                                    \
+                    v16f dot = qv[g][0] * k[0];                                                      \
+                    for (int64_t j = 1; j < nv; j++) dot += qv[g][j] * k[j];                         \
+                    s[g][t] = sum16(dot);                                                            \
                 }                                                                                    \
             }                                                                                        \
-            for (int64_t g = 0; g < group; g++) {                                                    \
+            for (int64_t g = 0; g < G; g++) { /* online softmax over the chunk */                    \
                 float top = m[g], sum = 0.f;                                                         \
                 for (int64_t t = 0; t < n; t++) top = s[g][t] > top ? s[g][t] : top;                \
                 const float rescale = expf(m[g] - top);                                              \
                 for (int64_t t = 0; t < n; t++) { s[g][t] = expf(s[g][t] - top); sum += s[g][t]; }   \
                 l[g] = l[g] * rescale + sum;                                                         \
                 m[g] = top;                                                                          \
-                if (rescale != 1.f)                                                                  \
-                    for (int64_t d = 0; d < D; d++) acc[g][d] *= rescale;                            \
+                for (int64_t j = 0; j < nv; j++) acc[g][j] *= rescale;                               \
             }                                                                                        \
-            for (int64_t t = 0; t < n; t++) {                                                        \
-                const T *vt = vh + slot[t];                                                          \
-                for (int64_t g = 0; g < group; g++) {                                                \
-                    const float p = s[g][t];                                                         \
-                    _Pragma("omp simd")                                                              \
-                    for (int64_t d = 0; d < D; d++) acc[g][d] += p * LOAD(vt[d]);                    \
-                }                                                                                    \
+            for (int64_t t = 0; t < n; t++) { /* values: each row loaded once for the group */       \
+                v16f v[MAX_DIM / LANES];                                                             \
+                for (int64_t j = 0; j < nv; j++) v[j] = LOAD16(vh + slot[t] + LANES * j);            \
+                for (int64_t g = 0; g < G; g++)                                                      \
+                    for (int64_t j = 0; j < nv; j++) acc[g][j] += s[g][t] * v[j];                    \
             }                                                                                        \
         }                                                                                            \
-        for (int64_t g = 0; g < group; g++) {                                                        \
-            T *og = out + (i * num_heads + h * group + g) * D;                                       \
+        for (int64_t g = 0; g < G; g++) {                                                            \
+            T *og = out + (i * G * kv_heads + h * G + g) * D;                                        \
             const float inv = 1.f / l[g];                                                            \
-            for (int64_t d = 0; d < D; d++) og[d] = STORE(acc[g][d] * inv);                          \
+            for (int64_t j = 0; j < nv; j++)                                                         \
+                for (int e = 0; e < LANES; e++) og[LANES * j + e] = STORE(acc[g][j][e] * inv);       \
         }                                                                                            \
     }                                                                                                \
     void NAME(const T *q, int64_t q_row_stride, int64_t q_head_stride, const T *k_cache,             \
@@ -115,20 +147,33 @@ static inline bf16_t f32_to_bf16(float f) { /* round to nearest even, as torch d
               int64_t threads) {                                                                     \
         int64_t context = 0; /* cached tokens read, over all rows */                                 \
         for (int64_t i = 0; i < rows; i++) context += ctx_lens[i];                                   \
-        const int64_t elems = 2 * context * kv_heads * head_dim;                                     \
+        const int64_t elems = 2 * context * kv_heads * head_dim, group = num_heads / kv_heads;       \
         _Pragma("omp parallel for schedule(dynamic, 1) if (elems >= PAR_MIN_ELEMS) num_threads(threads)") \
         for (int64_t item = 0; item < rows * kv_heads; item++) {                                     \
-            if (head_dim == 64) /* a copy with D constant: accumulators in registers, loops unrolled */ \
+            switch (head_dim == 64 || head_dim == 128 ? head_dim * MAX_GROUP + group : 0) {          \
+            PAGED_DECODE_CASES_64(NAME)                                                              \
+            PAGED_DECODE_CASES_128(NAME)                                                             \
+            default:                                                                                 \
                 NAME##_item(q, q_row_stride, q_head_stride, k_cache, v_cache, block_tables, table_width, \
-                            ctx_lens, num_heads, kv_heads, 64, block_size, num_slots, scale, out, item); \
-            else if (head_dim == 128)                                                                \
-                NAME##_item(q, q_row_stride, q_head_stride, k_cache, v_cache, block_tables, table_width, \
-                            ctx_lens, num_heads, kv_heads, 128, block_size, num_slots, scale, out, item); \
-            else                                                                                     \
-                NAME##_item(q, q_row_stride, q_head_stride, k_cache, v_cache, block_tables, table_width, \
-                            ctx_lens, num_heads, kv_heads, head_dim, block_size, num_slots, scale, out, item); \
+                            ctx_lens, kv_heads, head_dim, group, block_size, num_slots, scale, out, item); \
+            }                                                                                        \
         }                                                                                            \
     }
+
+/* The copies with constant head size and group: head size 64 with groups 1 to 8, 128 with
+ * groups 1, 2, 4 and 8 (those of common models; each copy adds to the build's time). */
+#define PAGED_DECODE_CASE(NAME, D, G)                                                                \
+    case D * MAX_GROUP + G:                                                                          \
+        NAME##_item(q, q_row_stride, q_head_stride, k_cache, v_cache, block_tables, table_width,     \
+                    ctx_lens, kv_heads, D, G, block_size, num_slots, scale, out, item);              \
+        break;
+#define PAGED_DECODE_CASES_64(NAME)                                                                  \
+    PAGED_DECODE_CASE(NAME, 64, 1) PAGED_DECODE_CASE(NAME, 64, 2) PAGED_DECODE_CASE(NAME, 64, 3)     \
+    PAGED_DECODE_CASE(NAME, 64, 4) PAGED_DECODE_CASE(NAME, 64, 5) PAGED_DECODE_CASE(NAME, 64, 6)     \
+    PAGED_DECODE_CASE(NAME, 64, 7) PAGED_DECODE_CASE(NAME, 64, 8)
+#define PAGED_DECODE_CASES_128(NAME)                                                                 \
+    PAGED_DECODE_CASE(NAME, 128, 1) PAGED_DECODE_CASE(NAME, 128, 2) PAGED_DECODE_CASE(NAME, 128, 4)  \
+    PAGED_DECODE_CASE(NAME, 128, 8)
 
 /* out = weight * round(x * rsqrt(mean(x^2) + eps)): transformers' LlamaRMSNorm, op for op. */
 #define DEFINE_RMS_NORM(NAME, T, LOAD, STORE, ROUND)                                                 \
@@ -183,8 +228,8 @@ static inline bf16_t f32_to_bf16(float f) { /* round to nearest even, as torch d
         }                                                                                            \
     }
 
-DEFINE_PAGED_DECODE(paged_decode_f32, float, F32_LOAD, F32_STORE)
-DEFINE_PAGED_DECODE(paged_decode_bf16, bf16_t, bf16_to_f32, f32_to_bf16)
+DEFINE_PAGED_DECODE(paged_decode_f32, float, load16_f32, F32_STORE)
+DEFINE_PAGED_DECODE(paged_decode_bf16, bf16_t, load16_bf16, f32_to_bf16)
 DEFINE_RMS_NORM(rms_norm_f32, float, F32_LOAD, F32_STORE, F32_ROUND)
 DEFINE_RMS_NORM(rms_norm_bf16, bf16_t, bf16_to_f32, f32_to_bf16, BF16_ROUND)
 DEFINE_ROTARY(rotary_f32, float, F32_LOAD, F32_STORE)
@@ -195,3 +240,4 @@ DEFINE_SILU_MUL(silu_mul_bf16, bf16_t, bf16_to_f32, f32_to_bf16, BF16_ROUND)
 /* Limits the Python side checks before choosing paged_decode. */
 int64_t paged_decode_max_group(void) { return MAX_GROUP; }
 int64_t paged_decode_max_dim(void) { return MAX_DIM; }
+int64_t paged_decode_dim_multiple(void) { return LANES; }
