@@ -426,6 +426,32 @@ def test_a_target_kept_by_less_than_the_models_error_does_not_count_as_kept():
     assert pick(tried, spec, headroom=0.15)[0].changes == {"long_prefill_token_threshold": 64}
 
 
+@pytest.mark.parametrize("per_token_ms, rate, raised", [(1.0, 2.0, False), (0.1, 4.0, True)])
+def test_a_raise_of_prefills_at_once_that_would_stall_every_stream_is_barred(per_token_ms, rate, raised):
+    # 600-token prompts queue behind one long prefill at a time (TTFT over target, the long
+    # partial-prefill limit holding them). At 1 ms per prefill token a second 64-token chunk beside
+    # the decode rows makes a step of ~170 ms, over the 150 ms ITL target: every stream in flight
+    # would pay for the queued prompts' first tokens, so the raise is barred. At 0.1 ms per token
+    # two chunks cost ~40 ms: the raise goes ahead
+    ap, engine = pilot("ttft_p99=1s,itl_p99=150ms,max_long_partial_prefills=1..2", fixed=FIXED, window_s=300,
+                       long_prefill_token_threshold=64, max_num_partial_prefills=2, max_long_partial_prefills=1)
+    end = scripted_window(ap, engine.knobs, true_engine(prefill_tokens=per_token_ms / 1000), n=40, rate=rate,
+                          prompt=600, output=32)
+    stats = window_stats(list(ap._iterations), list(ap._requests))
+    assert max(stats.held_s, key=stats.held_s.get) is HoldCause.LONG_PARTIAL_PREFILLS and stats.ttft_p99 > 1.0
+    assert decide(stats, engine.knobs, ap.spec).changes == {"max_long_partial_prefills": 2}  # the rules alone would
+    move = ap.tick(end + 1)
+    if raised:
+        assert move is not None and engine.knobs.max_long_partial_prefills == 2
+        assert ap.view()["moves"][-1]["prediction"]["barred"] == []
+    else:
+        assert move is None and engine.version == 0
+        reason = ap.view()["last_decision"]["reason"]
+        assert reason.startswith("hold: max_long_partial_prefills 1→2 barred: 2 prefill chunks of 64 tokens beside the ")
+        wait_ms = int(reason.split("waiting ")[1].split(" ms")[0])
+        assert 150 < wait_ms < 250
+
+
 def test_too_few_iterations_to_fit_falls_back_to_the_rules_and_says_so():
     ap, engine = pilot("ttft_p99=1s,max_num_seqs=2..16", fixed=FIXED, window_s=300, max_num_seqs=2)
     end = scripted_window(ap, engine.knobs, true_engine(), keep_iterations=MIN_ROWS - 5)

@@ -11,7 +11,9 @@ requests to replay, a prefill stall the iterations show, or one the step-time mo
 from a whole chunk beside the decode rows in flight, cuts the chunk (autopilot_stalls), else
 hold; with enough of them and TTFT p99 within its target, such a stall cuts the chunk as well (a
 replay of the finished requests alone misses the streams it stalled that are still in flight);
-no candidate move: hold. Replays (`replayed`) are bounded (the newest MAX_REQUESTS requests, a
+no candidate move: hold. A raise of the prompts prefilled at once that the step-time model
+foresees stalling decode rows past the ITL target is barred (autopilot_stalls.raise_stalls),
+from the replayed candidates and from the rules' move alike. Replays (`replayed`) are bounded (the newest MAX_REQUESTS requests, a
 time budget checked between replays; a candidate that only lowers a limit the replay of the
 knobs in force never came up to is not replayed: its forecast is that replay's) and run where
 the caller runs them (in the server: a worker process at nice 19, `autopilot_worker`, whose CPU
@@ -34,7 +36,7 @@ from appliance.sim.replay import CacheShape, ReplayError, SimRequest, replay
 
 from .autopilot_policy import (MIN_REQUESTS, Choice, DecodeGaps, Move, Spec, WindowStats, bounded_move, decide, p99,
                                window_stats)
-from .autopilot_stalls import chunk_cut, fit_window
+from .autopilot_stalls import chunk_cut, fit_window, raise_stalls
 
 MARGIN = 0.05  # a candidate must raise the predicted attainment by this share of requests...
 P99_MARGIN = 0.2  # ...or, at no loss of attainment, cut the worst target's predicted p99 by this share
@@ -190,6 +192,12 @@ def replayed(iterations: Sequence[IterationStats], requests: Sequence[RequestSta
         model = fit_window(iterations, fixed)
     except FitError as exc:
         return rules_only(rule, f"{exc} in the window (the simulator needs {MIN_ROWS})")
+    barred = {id(m): why for m in moves if (why := raise_stalls(model, iterations, requests, knobs, spec, m))}
+    if rule is not None and raise_stalls(model, iterations, requests, knobs, spec, rule):
+        rule = None
+    moves = [m for m in moves if id(m) not in barred]
+    if not moves:
+        return Choice(None, "hold: " + "; ".join(barred.values()))
     cache = CacheShape(int(fixed["num_blocks"]), int(fixed["block_size"]), int(fixed["max_model_len"]))
     slo = SLO(ttft=spec.targets.get("ttft_p99"), itl=spec.targets.get("itl_p99"))
     done = replayable(requests)
@@ -224,7 +232,8 @@ def replayed(iterations: Sequence[IterationStats], requests: Sequence[RequestSta
         "measured_attainment": measured, "before": asdict(base), "requests": len(reqs),
         "model_heldout_mape": model.heldout_mape,
         "candidates": [{"changes": m.changes, **asdict(f)} for m, f in tried],
-        "never_reached": unreached, "skipped": [m.changes for m in moves[len(tried):]]}
+        "never_reached": unreached, "skipped": [m.changes for m in moves[len(tried):]],
+        "barred": list(barred.values())}
     if not tried:
         return Choice(None, f"hold: the time budget ({budget_s:g} s) ran out before any candidate", prediction, True)
     return replace(weigh(w, spec, base, tried, prediction, headroom=model.heldout_mape), simulated=True)

@@ -21,6 +21,11 @@ whole chunk beside the most decode rows the window has run is predicted; a chunk
 would miss the target even at the median of the fit's spread is cut the same way before the
 first prompt that long arrives (the first chat prompts of a run price the tokens a second or two
 before the first long one stalls every stream in flight).
+
+The same foresight bars a raise of the prompts prefilled at once (`raise_stalls`): each one more
+puts another chunk beside the decode rows, and a raise that TTFT asks for must not buy the queued
+prompts' first tokens with a stall of every stream in flight (benchmarks/autopilot.py runs 34-35:
+max_long_partial_prefills 1→2 during the long prompts, and ITL misses all through that phase).
 """
 
 from __future__ import annotations
@@ -30,12 +35,13 @@ from dataclasses import replace
 from typing import Any
 
 from appliance.engine.knobs import Knobs
-from appliance.records import IterationStats
+from appliance.records import IterationStats, RequestStats
 from appliance.sim.fit import Composition, EngineKey, FitError, StepTimeModel, composition_of, fit_step_time
 
-from .autopilot_policy import Choice, Spec, bounded_move, decode_waits
+from .autopilot_policy import Choice, Move, Spec, bounded_move, decode_waits
 
 KNOB = "long_prefill_token_threshold"
+PREFILLS_AT_ONCE = ("max_num_partial_prefills", "max_long_partial_prefills")
 TAIL = 0.99  # the quantile of the fit's spread a stall is predicted at (the target is a p99)
 MEDIAN = 0.5  # ...and a stall foreseen, before any has happened
 MIN_PREFILL_STEPS = 3  # a window prices prefill tokens once this many of its steps carried some
@@ -121,6 +127,31 @@ def foresight(iterations: Sequence[IterationStats], knobs: Knobs, spec: Spec, fi
            f"rows the window has run would keep them waiting {median * 1000:.0f} ms at the median of the " \
            f"step-time model's spread (ITL target {target * 1000:.0f} ms)"
     return deepest_needed(model, ahead, knobs, spec, fixed, seen, {"foreseen_wait_s": median})
+
+
+def raise_stalls(model: StepTimeModel, iterations: Sequence[IterationStats], requests: Sequence[RequestStats],
+                 knobs: Knobs, spec: Spec, move: Move) -> str | None:
+    """Why `move` is barred, or None: it raises a limit on the prompts prefilled at once to n, and
+    the heaviest decode step of the window with n prefill chunks beside it (each a whole chunk, or
+    the window's longest prompt if shorter; within the token budget) would keep its decode rows
+    waiting past the ITL target at the median of the fit's spread."""
+    target = spec.targets.get("itl_p99")
+    now = knobs.as_dict()
+    raised = [(name, n) for name, n in move.changes.items() if name in PREFILLS_AT_ONCE and n > now[name]]
+    decoding = [composition_of(it.as_dict()) for it in iterations if it.decode_seqs > 0]
+    if not target or not raised or not decoding or not requests:
+        return None
+    name, n = max(raised, key=lambda r: r[1])
+    after = knobs.with_changes(move.changes)
+    size = min(after.long_prefill_token_threshold, max(r.prompt_tokens for r in requests))
+    steps = [replace(c, prefill_seqs=n, prefill_tokens=max(0, min(n * size, after.max_num_batched_tokens - c.decode_rows)))
+             for c in decoding]
+    worst = max(steps, key=lambda c: wait_at(model, c, size, MEDIAN))
+    if (wait := wait_at(model, worst, size, MEDIAN)) <= target:
+        return None
+    return (f"{name} {now[name]}→{n} barred: {n} prefill chunks of {size} tokens beside the {worst.decode_rows} "
+            f"decode rows the window has run would keep them waiting {wait * 1000:.0f} ms at the median of the "
+            f"step-time model's spread (ITL target {target * 1000:.0f} ms)")
 
 
 def wait_at(model: StepTimeModel, step: Composition, chunk: int, tail: float) -> float:
