@@ -581,7 +581,8 @@ def test_a_chunk_cut_goes_no_lower_than_the_bound_or_one_kv_block(bounds, itl_ms
 
 def test_a_prefill_stall_at_the_chunks_lower_bound_holds_without_fitting(monkeypatch):
     # the fit costs the engine's thread the GIL for tens of milliseconds: not spent on a chunk
-    # that cannot go lower, neither for the stall nor for foresight
+    # that cannot go lower, neither for the stall nor for foresight, when max_num_seqs cannot go
+    # under the 7 sequences (6 decoding, 1 prefilling) the stalled steps ran either
     from appliance.server import autopilot_stalls
 
     def no_fit(*args):
@@ -589,12 +590,36 @@ def test_a_prefill_stall_at_the_chunks_lower_bound_holds_without_fitting(monkeyp
 
     monkeypatch.setattr(autopilot_stalls, "fit_window", no_fit)
     for chunks in ((256, 200, 90, 256), (64,)):
-        ap, engine = pilot("ttft_p99=5s,itl_p99=150ms,long_prefill_token_threshold=256..512", fixed=FIXED,
-                           window_s=300, long_prefill_token_threshold=256)
+        ap, engine = pilot("ttft_p99=5s,itl_p99=150ms,long_prefill_token_threshold=256..512,max_num_seqs=7..64",
+                           fixed=FIXED, window_s=300, long_prefill_token_threshold=256)
         end = stalling_window(ap, chunks=chunks)
         assert ap.tick(end + 1) is None and engine.version == 0 and ap.view()["enabled"]
         reason = ap.view()["last_decision"]["reason"]
         assert reason.endswith("the chunk is at its bound") if chunks[0] == 256 else reason.startswith("hold: 2 finished")
+
+
+@pytest.mark.parametrize("itl_ms, seqs", [(125, 5), (115, 3), (100, None)])
+def test_a_stall_with_the_chunk_at_its_bound_cuts_max_num_seqs_as_far_as_needed(itl_ms, seqs):
+    # 128-token chunks beside up to 5 decode rows take up to 127 ms (30 ms + 4 ms per row + 74 ms
+    # for the chunk, and context) and the chunk cannot go lower: fewer decode rows beside it is
+    # what is left. 125 ms: 4 rows (5 sequences with the prefilling one) predicted at 122 ms;
+    # 115 ms: 2 rows; 100 ms: not even none
+    ap, engine = pilot(f"ttft_p99=5s,itl_p99={itl_ms}ms,long_prefill_token_threshold=128..512", fixed=FIXED,
+                       window_s=300, long_prefill_token_threshold=128, max_num_seqs=64)
+    end = stalling_window(ap, chunks=(128,))
+    move = ap.tick(end + 1)
+    if seqs is None:
+        assert move is None and engine.version == 0
+        assert ap.view()["last_decision"]["reason"].endswith(
+            "the chunk is at its bound and no max_num_seqs down to 1 brings that step under the target")
+    else:
+        assert move is not None and engine.knobs.max_num_seqs == seqs
+        last = ap.view()["moves"][-1]
+        assert last["reason"].startswith(f"max_num_seqs 64→{seqs}: ") and "the chunk is at its bound" in last["reason"]
+        predicted = last["prediction"]["predicted_wait_s"]
+        assert predicted[str(seqs - 1)] <= itl_ms / 1000 < predicted["5"]
+    decided = ap.view()["last_decision"]
+    assert ap.tick(end + 3) is None and ap.view()["last_decision"] == decided  # one such fit per cooldown
 
 
 def test_prefill_stalls_cut_the_chunk_though_the_finished_requests_met_the_target():

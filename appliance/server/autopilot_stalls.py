@@ -12,9 +12,14 @@ the chunk, at the 99th percentile of the fit's own spread (the target is a p99),
 chunk predicted under the target with the model's held-out error to spare is the move. Stalls
 the model does not predict from their steps' composition, at a tail of its spread that one slow
 step cannot set (the machine, not the chunk), or that no chunk down to the operator's lower bound
-(and never under one KV block) brings under the target, move nothing here; a chunk already at
-that floor is not even fitted (the fit is tens of milliseconds of Python in the server's process,
-which the engine's thread then waits on for the GIL).
+(and never under one KV block) brings under the target, move nothing here. With the chunk already
+at that floor, the decode rows beside it bound the stalled step: the largest max_num_seqs under
+which the model predicts it under the target is the move (`seqs_cut`; benchmarks/autopilot.py run
+37: with 64-token chunks and up to 16 sequences running, 58 prefill steps in 30 s of long prompts
+kept decode rows past 150 ms; the best fixed setting, 8 sequences, 13). Such a window is not even
+fitted when max_num_seqs cannot go under what the stalled steps ran (the fit is tens of
+milliseconds of Python in the server's process, which the engine's thread then waits on for the
+GIL), and a fit at the floor is spaced out like a replay.
 
 The model also sees a stall coming (`foresight`): once the window has priced prefill tokens, a
 whole chunk beside the most decode rows the window has run is predicted; a chunk whose step
@@ -41,6 +46,7 @@ from appliance.sim.fit import Composition, EngineKey, FitError, StepTimeModel, c
 from .autopilot_policy import Choice, Move, Spec, bounded_move, decode_waits
 
 KNOB = "long_prefill_token_threshold"
+SEQS = "max_num_seqs"
 PREFILLS_AT_ONCE = ("max_num_partial_prefills", "max_long_partial_prefills")
 TAIL = 0.99  # the quantile of the fit's spread a stall is predicted at (the target is a p99)
 MEDIAN = 0.5  # ...and a stall foreseen, before any has happened
@@ -75,12 +81,14 @@ def chunk_cut(iterations: Sequence[IterationStats], knobs: Knobs, spec: Spec, fi
     wait = max(w for _, w in stalls)
     seen = f"{len(stalls)} step(s) carrying prefill chunks kept decode rows waiting up to {wait * 1000:.0f} ms " \
            f"(ITL target {target * 1000:.0f} ms)"
-    if knobs.long_prefill_token_threshold <= floor_of(spec, fixed):  # nothing to cut: no fit
+    at_floor = knobs.long_prefill_token_threshold <= floor_of(spec, fixed)
+    ran = max(it.decode_seqs + it.prefill_seqs for it, _ in stalls)
+    if at_floor and seqs_floor(spec) >= min(knobs.max_num_seqs, ran):  # nothing to cut: no fit
         return Choice(None, f"hold: {seen}; the chunk is at its bound")
     try:
         model = fit_window(iterations, fixed)
     except FitError as exc:
-        return Choice(None, f"hold: {seen}, but {exc}")
+        return Choice(None, f"hold: {seen}, but {exc}", simulated=at_floor)
     # the stalled step whose composition the model predicts slowest (a hiccup of the machine
     # may have made another one wait longer), as its decode rows wait for it: the step at the
     # fit's tail, and the engine's gap before it. Whether the chunk causes it is judged at a tail
@@ -92,8 +100,11 @@ def chunk_cut(iterations: Sequence[IterationStats], knobs: Knobs, spec: Spec, fi
         ahead = foresight(iterations, knobs, spec, fixed, model) if foresee else None
         return ahead if ahead is not None and ahead.move is not None else Choice(
             None, f"hold: {seen}; the step-time model predicts at most {robust * 1000:.0f} ms for their "
-                  f"compositions (at the tail of its spread): the stall is not the chunk's")
-    return deepest_needed(model, now, knobs, spec, fixed, seen, {"stalled_steps": len(stalls), "worst_wait_s": wait})
+                  f"compositions (at the tail of its spread): the stall is not the chunk's", simulated=at_floor)
+    prediction = {"stalled_steps": len(stalls), "worst_wait_s": wait}
+    if at_floor:
+        return seqs_cut(model, now, knobs, spec, seen, prediction)
+    return deepest_needed(model, now, knobs, spec, fixed, seen, prediction)
 
 
 def foresight(iterations: Sequence[IterationStats], knobs: Knobs, spec: Spec, fixed: Mapping[str, Any],
@@ -187,6 +198,42 @@ def deepest_needed(model: StepTimeModel, step: Composition, knobs: Knobs, spec: 
                         f"{chunk}-token chunks (p99 of its spread)")
     return Choice(move, move.reason, prediction) if move else Choice(None, f"hold: {seen}; the chunk is at its bound",
                                                                       prediction)
+
+
+def seqs_cut(model: StepTimeModel, step: Composition, knobs: Knobs, spec: Spec, seen: str,
+             prediction: dict[str, Any]) -> Choice:
+    """With the chunk at its bound, the stalled `step` is bounded by the sequences beside its
+    prefills: the most sequences under which it (its decode rows fewer, their context in
+    proportion) keeps the ITL target at the p99 of the fit's spread with the model's held-out
+    error to spare; a hold when none down to the operator's lower bound does. Marked simulated:
+    the controller spaces such fits out as it does replays."""
+    target = spec.targets["itl_p99"]
+    chunk, headroom = knobs.long_prefill_token_threshold, 1 + model.heldout_mape
+
+    def wait(rows: int) -> float:
+        context = step.decode_context_tokens * rows // max(1, step.decode_rows)
+        return wait_at(model, replace(step, decode_rows=rows, decode_context_tokens=context), chunk, TAIL)
+
+    rows = step.decode_rows
+    while rows > 0 and wait(rows) * headroom > target:
+        rows -= 1
+    seqs = rows + max(1, step.prefill_seqs)
+    prediction = {**prediction, "model_heldout_mape": model.heldout_mape, "decode_rows": step.decode_rows,
+                  "predicted_wait_s": {str(step.decode_rows): wait(step.decode_rows), str(rows): wait(rows)}}
+    if rows == 0 or seqs < seqs_floor(spec):
+        return Choice(None, f"hold: {seen}; the chunk is at its bound and no max_num_seqs down to "
+                            f"{seqs_floor(spec)} brings that step under the target", prediction, simulated=True)
+    move = bounded_move(knobs, spec, SEQS, seqs, f"{seen}; the chunk is at its bound, and the step-time model "
+                        f"(held-out error {model.heldout_mape:.0%}) predicts {wait(rows) * 1000:.0f} ms with {rows} "
+                        f"decode rows beside its prefill, {wait(step.decode_rows) * 1000:.0f} ms with "
+                        f"{step.decode_rows} (p99 of its spread)")
+    return Choice(move, move.reason, prediction, simulated=True) if move else Choice(
+        None, f"hold: {seen}; the chunk is at its bound and max_num_seqs at or under {seqs}", prediction, simulated=True)
+
+
+def seqs_floor(spec: Spec) -> int:
+    """The smallest max_num_seqs a cut goes to: the operator's lower bound."""
+    return max(1, spec.bounds.get(SEQS, (1, 0))[0])
 
 
 def floor_of(spec: Spec, fixed: Mapping[str, Any]) -> int:
