@@ -622,6 +622,24 @@ def test_a_stall_with_the_chunk_at_its_bound_cuts_max_num_seqs_as_far_as_needed(
     assert ap.tick(end + 3) is None and ap.view()["last_decision"] == decided  # one such fit per cooldown
 
 
+def test_a_replay_that_holds_leaves_the_choice_to_the_stall_answer():
+    # as above (125 ms target, the chunk at its bound), with six more finished requests whose TTFT
+    # is over its target and which streamed through the stalls: the window is replayed rather
+    # than answered before any replay, and the replay holds (it cannot explain their wait, and the
+    # rules have nothing to raise: no limit held them); the stalls of the live steps still cut
+    # max_num_seqs
+    ap, engine = pilot("ttft_p99=5s,itl_p99=125ms,long_prefill_token_threshold=128..512", fixed=FIXED,
+                       window_s=300, long_prefill_token_threshold=128, max_num_seqs=64)
+    end = stalling_window(ap, chunks=(128,))
+    for i in range(6):
+        ap.on_request(request(T0 + i, 8.0, itl=0.1, out=50))
+    assert ap.tick(end + 1) is not None and engine.knobs.max_num_seqs == 5
+    reason = ap.view()["moves"][-1]["reason"]
+    assert reason.startswith("max_num_seqs 64→5: ") and "the chunk is at its bound" in reason
+    assert "[the replays held: the rules propose nothing and the simulator is not used (the replay of the knobs " \
+           "in force predicts 100% within the targets" in reason
+
+
 def test_prefill_stalls_cut_the_chunk_though_the_finished_requests_met_the_target():
     # six finished requests (the window's two short ones met the 100 ms target; four more, done
     # before the stalls, met it too) while the prompts that stalled every stream in flight are

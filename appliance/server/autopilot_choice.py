@@ -13,7 +13,9 @@ hold; with enough of them and TTFT p99 within its target, such a stall cuts the 
 replay of the finished requests alone misses the streams it stalled that are still in flight);
 no candidate move: hold. A raise of the prompts prefilled at once that the step-time model
 foresees stalling decode rows past the ITL target is barred (autopilot_stalls.raise_stalls),
-from the replayed candidates and from the rules' move alike. Replays (`replayed`) are bounded (the newest MAX_REQUESTS requests, a
+from the replayed candidates and from the rules' move alike. A replay that ends in a hold leaves
+the choice to the stall answer when the window's prefill steps stalled (`or_stall_cut`).
+Replays (`replayed`) are bounded (the newest MAX_REQUESTS requests, a
 time budget checked between replays; a candidate that only lowers a limit the replay of the
 knobs in force never came up to is not replayed: its forecast is that replay's) and run where
 the caller runs them (in the server: a worker process at nice 19, `autopilot_worker`, whose CPU
@@ -168,12 +170,14 @@ def without_replay(iterations: Sequence[IterationStats], requests: Sequence[Requ
         return chunk_cut(iterations, knobs, spec, fixed) or Choice(
             None, f"hold: {w.requests} finished request(s) in the window, at least {MIN_REQUESTS} needed")
     ttft_target = spec.targets.get("ttft_p99")
-    if ttft_target is None or w.ttft_p99 is None or w.ttft_p99 <= ttft_target:  # the rules' order: TTFT first
+    ttft_kept = ttft_target is None or w.ttft_p99 is None or w.ttft_p99 <= ttft_target
+    if ttft_kept:  # the rules' order: TTFT first
         cut = chunk_cut(iterations, knobs, spec, fixed, foresee=False)
         if cut is not None and cut.move is not None:
             return cut
     if not candidates(w, knobs, spec, last_raise):
-        return Choice(None, "hold: " + (nothing_helps(w) if any(over_targets(w, spec)) else "targets met"))
+        hold = Choice(None, "hold: " + (nothing_helps(w) if any(over_targets(w, spec)) else "targets met"))
+        return hold if ttft_kept else or_stall_cut(hold, iterations, knobs, spec, fixed)
     return None
 
 
@@ -197,7 +201,7 @@ def replayed(iterations: Sequence[IterationStats], requests: Sequence[RequestSta
         rule = None
     moves = [m for m in moves if id(m) not in barred]
     if not moves:
-        return Choice(None, "hold: " + "; ".join(barred.values()))
+        return or_stall_cut(Choice(None, "hold: " + "; ".join(barred.values())), iterations, knobs, spec, fixed)
     cache = CacheShape(int(fixed["num_blocks"]), int(fixed["block_size"]), int(fixed["max_model_len"]))
     slo = SLO(ttft=spec.targets.get("ttft_p99"), itl=spec.targets.get("itl_p99"))
     done = replayable(requests)
@@ -214,8 +218,9 @@ def replayed(iterations: Sequence[IterationStats], requests: Sequence[RequestSta
     try:
         base, steps = forecast(knobs)
         if abs(base.attainment - measured) > CALIBRATION:  # the window does not explain what was measured
-            return replace(rules_only(rule, f"the replay of the knobs in force predicts {base.attainment:.0%} "
-                                            f"within the targets, {measured:.0%} was measured"), simulated=True)
+            alone = rules_only(rule, f"the replay of the knobs in force predicts {base.attainment:.0%} "
+                                     f"within the targets, {measured:.0%} was measured")
+            return replace(or_stall_cut(alone, iterations, knobs, spec, fixed), simulated=True)
         tried: list[tuple[Move, Forecast]] = []
         unreached: list[dict[str, int]] = []
         for m in moves:
@@ -236,7 +241,24 @@ def replayed(iterations: Sequence[IterationStats], requests: Sequence[RequestSta
         "barred": list(barred.values())}
     if not tried:
         return Choice(None, f"hold: the time budget ({budget_s:g} s) ran out before any candidate", prediction, True)
-    return replace(weigh(w, spec, base, tried, prediction, headroom=model.heldout_mape), simulated=True)
+    choice = weigh(w, spec, base, tried, prediction, headroom=model.heldout_mape)
+    return replace(or_stall_cut(choice, iterations, knobs, spec, fixed), simulated=True)
+
+
+def or_stall_cut(choice: Choice, iterations: Sequence[IterationStats], knobs: Knobs, spec: Spec,
+                 fixed: Mapping[str, Any]) -> Choice:
+    """`choice`, or, when it holds, the answer to the window's prefill stalls (`chunk_cut`: the
+    chunk, or with the chunk at its bound max_num_seqs): a replay carries only the window's
+    finished requests, not the streams still in flight that those stalls kept waiting
+    (benchmarks/autopilot.py runs 37-38: replays that never ran more than 8 sequences predicted
+    max_num_seqs 8 to change nothing while the live batch ran up to 16 beside 64-token chunks)."""
+    if choice.move is not None:
+        return choice
+    cut = chunk_cut(iterations, knobs, spec, fixed, foresee=False)
+    if cut is None or cut.move is None:
+        return choice
+    return Choice(cut.move, f"{cut.reason} [the replays held: {choice.reason.removeprefix('hold: ')}]",
+                  cut.prediction, simulated=True)
 
 
 # limits whose lowering changes nothing when the replay never reached the lower value: knob ->
