@@ -118,7 +118,7 @@ def candidates(w: WindowStats, knobs: Knobs, spec: Spec, last_raise: Mapping[str
                 out.append(m)
     unique: dict[tuple[tuple[str, int], ...], Move] = {}
     for m in out:
-        unique.setdefault(tuple(sorted(m.changes.items())), m)
+        unique.setdefault(_key(m), m)
     return list(unique.values())[:MAX_CANDIDATES]
 
 
@@ -196,10 +196,10 @@ def replayed(iterations: Sequence[IterationStats], requests: Sequence[RequestSta
         model = fit_window(iterations, fixed)
     except FitError as exc:
         return rules_only(rule, f"{exc} in the window (the simulator needs {MIN_ROWS})")
-    barred = {id(m): why for m in moves if (why := raise_stalls(model, iterations, requests, knobs, spec, m))}
-    if rule is not None and raise_stalls(model, iterations, requests, knobs, spec, rule):
+    barred = {_key(m): why for m in moves if (why := raise_stalls(model, iterations, requests, knobs, spec, m))}
+    if rule is not None and _key(rule) in barred:  # the rules' move is the first candidate
         rule = None
-    moves = [m for m in moves if id(m) not in barred]
+    moves = [m for m in moves if _key(m) not in barred]
     if not moves:
         return or_stall_cut(Choice(None, "hold: " + "; ".join(barred.values())), iterations, knobs, spec, fixed)
     cache = CacheShape(int(fixed["num_blocks"]), int(fixed["block_size"]), int(fixed["max_model_len"]))
@@ -317,6 +317,11 @@ def pick(tried: Sequence[tuple[Move, Forecast]], spec: Spec, headroom: float = 0
     near = [(m, f) for m, f in tried if f.attainment >= top - TIE]
     keeping = [(m, f) for m, f in near if f.keeps(spec, headroom)]
     return keeping[0] if keeping else min(near, key=lambda mf: mf[1].worst_ratio(spec))
+
+
+def _key(m: Move) -> tuple[tuple[str, int], ...]:
+    """A move's changes, as a key: two moves that change the same knobs to the same values are one."""
+    return tuple(sorted(m.changes.items()))
 
 
 def _label(m: Move) -> str:

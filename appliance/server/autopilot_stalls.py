@@ -217,16 +217,16 @@ def seqs_cut(model: StepTimeModel, step: Composition, knobs: Knobs, spec: Spec, 
     rows = step.decode_rows
     while rows > 0 and wait(rows) * headroom > target:
         rows -= 1
-    seqs = rows + max(1, step.prefill_seqs)
+    seqs, now, cut = rows + max(1, step.prefill_seqs), wait(step.decode_rows), wait(rows)
     prediction = {**prediction, "model_heldout_mape": model.heldout_mape, "decode_rows": step.decode_rows,
-                  "predicted_wait_s": {str(step.decode_rows): wait(step.decode_rows), str(rows): wait(rows)}}
+                  "predicted_wait_s": {str(step.decode_rows): now, str(rows): cut}}
     if rows == 0 or seqs < seqs_floor(spec):
         return Choice(None, f"hold: {seen}; the chunk is at its bound and no max_num_seqs down to "
                             f"{seqs_floor(spec)} brings that step under the target", prediction, simulated=True)
     move = bounded_move(knobs, spec, SEQS, seqs, f"{seen}; the chunk is at its bound, and the step-time model "
-                        f"(held-out error {model.heldout_mape:.0%}) predicts {wait(rows) * 1000:.0f} ms with {rows} "
-                        f"decode rows beside its prefill, {wait(step.decode_rows) * 1000:.0f} ms with "
-                        f"{step.decode_rows} (p99 of its spread)")
+                        f"(held-out error {model.heldout_mape:.0%}) predicts {cut * 1000:.0f} ms with {rows} "
+                        f"decode rows beside its prefill, {now * 1000:.0f} ms with {step.decode_rows} "
+                        f"(p99 of its spread)")
     return Choice(move, move.reason, prediction, simulated=True) if move else Choice(
         None, f"hold: {seen}; the chunk is at its bound and max_num_seqs at or under {seqs}", prediction, simulated=True)
 
