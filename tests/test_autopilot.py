@@ -622,22 +622,32 @@ def test_a_stall_with_the_chunk_at_its_bound_cuts_max_num_seqs_as_far_as_needed(
     assert ap.tick(end + 3) is None and ap.view()["last_decision"] == decided  # one such fit per cooldown
 
 
-def test_a_replay_that_holds_leaves_the_choice_to_the_stall_answer():
-    # as above (125 ms target, the chunk at its bound), with six more finished requests whose TTFT
-    # is over its target and which streamed through the stalls: the window is replayed rather
-    # than answered before any replay, and the replay holds (it cannot explain their wait, and the
-    # rules have nothing to raise: no limit held them); the stalls of the live steps still cut
-    # max_num_seqs
-    ap, engine = pilot("ttft_p99=5s,itl_p99=125ms,long_prefill_token_threshold=128..512", fixed=FIXED,
+@pytest.mark.parametrize("itl_ms, seqs", [(125, 5), (100, None)])
+def test_a_replay_that_holds_leaves_the_choice_to_the_stall_answer(itl_ms, seqs):
+    # as above (the chunk at its bound), with six more finished requests whose TTFT is over its
+    # target and which streamed through the stalls: the window is replayed rather than answered
+    # before any replay, and the replay holds (it cannot explain their wait, and the rules have
+    # nothing to raise: no limit held them); the stalls of the live steps still cut max_num_seqs
+    # (125 ms), or, where no value does (100 ms), the hold says so beside the replay's reason
+    ap, engine = pilot(f"ttft_p99=5s,itl_p99={itl_ms}ms,long_prefill_token_threshold=128..512", fixed=FIXED,
                        window_s=300, long_prefill_token_threshold=128, max_num_seqs=64)
     end = stalling_window(ap, chunks=(128,))
     for i in range(6):
         ap.on_request(request(T0 + i, 8.0, itl=0.1, out=50))
-    assert ap.tick(end + 1) is not None and engine.knobs.max_num_seqs == 5
+    replay_held = "the rules propose nothing and the simulator is not used (the replay of the knobs in force " \
+                  "predicts 100% within the targets"
+    if seqs is None:
+        assert ap.tick(end + 1) is None and engine.version == 0
+        reason = ap.view()["last_decision"]["reason"]
+        assert reason.startswith(f"hold: {replay_held}")
+        assert reason.endswith("[the prefill stalls: 19 step(s) carrying prefill chunks kept decode rows waiting up "
+                               "to 127 ms (ITL target 100 ms); the chunk is at its bound and no max_num_seqs down to 1 "
+                               "brings that step under the target]")
+        return
+    assert ap.tick(end + 1) is not None and engine.knobs.max_num_seqs == seqs
     reason = ap.view()["moves"][-1]["reason"]
-    assert reason.startswith("max_num_seqs 64→5: ") and "the chunk is at its bound" in reason
-    assert "[the replays held: the rules propose nothing and the simulator is not used (the replay of the knobs " \
-           "in force predicts 100% within the targets" in reason
+    assert reason.startswith(f"max_num_seqs 64→{seqs}: ") and "the chunk is at its bound" in reason
+    assert f"[the replays held: {replay_held}" in reason
 
 
 def test_prefill_stalls_cut_the_chunk_though_the_finished_requests_met_the_target():

@@ -251,12 +251,15 @@ def or_stall_cut(choice: Choice, iterations: Sequence[IterationStats], knobs: Kn
     chunk, or with the chunk at its bound max_num_seqs): a replay carries only the window's
     finished requests, not the streams still in flight that those stalls kept waiting
     (benchmarks/autopilot.py runs 37-38: replays that never ran more than 8 sequences predicted
-    max_num_seqs 8 to change nothing while the live batch ran up to 16 beside 64-token chunks)."""
+    max_num_seqs 8 to change nothing while the live batch ran up to 16 beside 64-token chunks).
+    When that answer holds too, its reason joins the hold's: the decision says why neither acted."""
     if choice.move is not None:
         return choice
     cut = chunk_cut(iterations, knobs, spec, fixed, foresee=False)
-    if cut is None or cut.move is None:
+    if cut is None:
         return choice
+    if cut.move is None:
+        return replace(choice, reason=f"{choice.reason} [the prefill stalls: {cut.reason.removeprefix('hold: ')}]")
     return Choice(cut.move, f"{cut.reason} [the replays held: {choice.reason.removeprefix('hold: ')}]",
                   cut.prediction, simulated=True)
 
