@@ -25,7 +25,8 @@ The best fixed figure is the best of several measurements of close settings, a m
 this machine's noise; then (--rematch N) the best fixed setting and the autopilot (from the
 defaults again) are measured N more times each, alternating, and the mean attainments compared.
 Prints, per way, goodput (share of requests within the SLO, and requests/s) and output
-throughput, then each autopilot run's moves with their time and reason. Not a test: the figures
+throughput, then each way's misses per phase and by what (TTFT, a stall over the ITL target,
+both), then each autopilot run's moves with their time and reason. Not a test: the figures
 depend on the machine and its load.
 
     .venv/bin/python benchmarks/autopilot.py [--scale 1] [--rate 1.5] [--slo ttft=3s,itl=150ms] [--burst 2] [--burst-every 10] [--verify 2] [--rematch 1]
@@ -161,6 +162,29 @@ def autopilot_way(url: str, db: str, requests: list[BenchRequest], slo: SLO, nam
     return run, httpx.patch(f"{url}/admin/autopilot", json={"enabled": False}, timeout=30).json()
 
 
+LONG_PROMPT = 900  # the bursts' prompts (900-1000 tokens); every other prompt is at most 256
+
+
+def misses(run: BenchmarkRun, requests: list[BenchRequest], slo: SLO, phase_s: float) -> list[str]:
+    """Per phase, the requests that missed the SLO: how many, and by what (TTFT over its target,
+    a gap over the ITL target, both, or failed), the long prompts apart."""
+    out = []
+    for phase in range(3):
+        counts: dict[str, int] = {}
+        for r in run.load.results:
+            req = requests[r.index]
+            if int((req.arrival_offset or 0.0) // phase_s) != phase or slo.met_by(r):
+                continue
+            ttft = r.ttft is None or (slo.ttft is not None and r.ttft > slo.ttft)
+            itl = slo.itl is not None and max(r.itl, default=0.0) > slo.itl
+            kind = "failed" if not r.ok else "both" if ttft and itl else "TTFT" if ttft else "ITL"
+            key = f"{'long ' if (req.prompt_len or 0) >= LONG_PROMPT else ''}{kind}"
+            counts[key] = counts.get(key, 0) + 1
+        detail = ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
+        out.append(f"{sum(counts.values())}" + (f" ({detail})" if detail else ""))
+    return out
+
+
 def print_moves(name: str, run: BenchmarkRun, view: dict) -> None:
     moves = [m for m in view["moves"] if m["at"] >= run.load.started_at]  # the view keeps earlier runs' too
     print(f"\n{name}: autopilot moves ({len(moves)}):")
@@ -209,11 +233,12 @@ def main() -> int:
         # the best fixed figure above is the best of several measurements of close settings (a
         # maximum over noise); fresh measurements of it, alternating with the autopilot's, compare
         # the two on equal terms
-        rematches: list[dict[str, float]] = []
+        again_runs: list[BenchmarkRun] = []
         for i in range(1, args.rematch + 1):
             patch_knobs(url, fixed_knobs)
-            rematches.append(figures(measure(url, db, requests, args.slo, f"best fixed again {i}")))
+            again_runs.append(measure(url, db, requests, args.slo, f"best fixed again {i}"))
             pilots.append(autopilot_way(url, db, requests, args.slo, f"autopilot again {i}", defaults))
+    rematches = [figures(run) for run in again_runs]
     rows = [("default knobs", figures(default_run)), *((f"grid point {k}", f) for k, f in verified),
             (f"best fixed: {fixed_knobs}", fixed), ("autopilot from defaults", figures(pilots[0][0]))]
     for i, again in enumerate(rematches, 1):
@@ -235,6 +260,14 @@ def main() -> int:
         print(f"mean attainment: autopilot {pilot_mean:.1%} over its {len(pilots)} runs, best fixed "
               f"{fixed_mean:.1%} over its {len(rematches)} fresh run(s): {pilot_mean / max(fixed_mean, 1e-9):.2f}x; "
               f"autopilot / defaults' {pilot_mean / max(base, 1e-9):.2f}x")
+    phase_s = PHASE_S * args.scale
+    print(f"\nmisses per phase (chat {phase_s:.0f} s, chat + long prompts, short prompts): TTFT over its target, "
+          f"a gap over ITL's, both ('long': the {LONG_PROMPT}+-token prompts)")
+    runs = [("default knobs", default_run), ("autopilot from defaults", pilots[0][0])]
+    for i in range(1, len(pilots)):
+        runs += [(f"best fixed again {i}", again_runs[i - 1]), (f"autopilot again {i}", pilots[i][0])]
+    for name, run in runs:
+        print(f"  {name:<24} " + " | ".join(misses(run, requests, args.slo, phase_s)))
     for i, (run, view) in enumerate(pilots):
         print_moves("autopilot from defaults" if i == 0 else f"autopilot again {i}", run, view)
     return 0
