@@ -12,7 +12,8 @@ the chunk, at the 99th percentile of the fit's own spread (the target is a p99),
 chunk predicted under the target with the model's held-out error to spare is the move. Stalls
 the model does not predict from their steps' composition, at a tail of its spread that one slow
 step cannot set (the machine, not the chunk), or that no chunk down to the operator's lower bound
-(and never under one KV block) brings under the target, move nothing here. With the chunk already
+(and never under one KV block) brings under the target even at the median of the fit's spread,
+move nothing here (a bound kept at the median only is still the cut). With the chunk already
 at that floor, the decode rows beside it bound the stalled step: the largest max_num_seqs under
 which the model predicts it under the target is the move (`seqs_cut`; benchmarks/autopilot.py run
 37: with 64-token chunks and up to 16 sequences running, 58 prefill steps in 30 s of long prompts
@@ -176,7 +177,11 @@ def deepest_needed(model: StepTimeModel, step: Composition, knobs: Knobs, spec: 
                    seen: str, prediction: dict[str, Any]) -> Choice:
     """The largest halving of the chunk under which `step` keeps the ITL target at the p99 of the
     fit's spread with the model's held-out error to spare, as the replayed choice (`pick`) counts
-    it; a hold when the chunk is at its bound or no chunk down to there keeps the target."""
+    it; when none down to the bound does, the bound if it keeps the target at the median of the
+    spread (most such steps would: benchmarks/autopilot.py run 42 held a 256-token chunk foreseen
+    at 327 ms because 64 tokens were predicted at 149 ms, over 150 with the error to spare, and
+    streams stalled until a replay cut it 4 s later); a hold when the chunk is at its bound or
+    no chunk down to there keeps the target even at the median."""
     target = spec.targets["itl_p99"]
     chunk = knobs.long_prefill_token_threshold
     predicted = {chunk: wait_at(model, step, chunk, TAIL)}
@@ -189,13 +194,15 @@ def deepest_needed(model: StepTimeModel, step: Composition, knobs: Knobs, spec: 
                   "predicted_wait_s": {str(c): t for c, t in predicted.items()}}
     if chunk == knobs.long_prefill_token_threshold:
         return Choice(None, f"hold: {seen}; the chunk is at its bound", prediction)
+    kept = f"{predicted[chunk] * 1000:.0f} ms with {chunk}-token chunks (p99 of its spread)"
     if predicted[chunk] * headroom > target:
-        return Choice(None, f"hold: {seen}; no chunk down to {chunk} tokens brings that step under the target "
-                            f"(the step-time model predicts {predicted[chunk] * 1000:.0f} ms with {chunk}-token "
-                            f"chunks)", prediction)
+        if (median := wait_at(model, step, chunk, MEDIAN)) > target:
+            return Choice(None, f"hold: {seen}; no chunk down to {chunk} tokens brings that step under the target "
+                                f"(the step-time model predicts {predicted[chunk] * 1000:.0f} ms with {chunk}-token "
+                                f"chunks, {median * 1000:.0f} ms at the median of its spread)", prediction)
+        kept += f", {median * 1000:.0f} ms at its median: the deepest cut the bounds allow"
     move = bounded_move(knobs, spec, KNOB, chunk, f"{seen}; the step-time model (held-out error "
-                        f"{model.heldout_mape:.0%}) predicts {predicted[chunk] * 1000:.0f} ms with "
-                        f"{chunk}-token chunks (p99 of its spread)")
+                        f"{model.heldout_mape:.0%}) predicts {kept}")
     return Choice(move, move.reason, prediction) if move else Choice(None, f"hold: {seen}; the chunk is at its bound",
                                                                       prediction)
 
