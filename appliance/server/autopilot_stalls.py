@@ -194,15 +194,15 @@ def deepest_needed(model: StepTimeModel, step: Composition, knobs: Knobs, spec: 
                   "predicted_wait_s": {str(c): t for c, t in predicted.items()}}
     if chunk == knobs.long_prefill_token_threshold:
         return Choice(None, f"hold: {seen}; the chunk is at its bound", prediction)
-    kept = f"{predicted[chunk] * 1000:.0f} ms with {chunk}-token chunks (p99 of its spread)"
+    forecast = f"{predicted[chunk] * 1000:.0f} ms with {chunk}-token chunks (p99 of its spread)"
     if predicted[chunk] * headroom > target:
         if (median := wait_at(model, step, chunk, MEDIAN)) > target:
             return Choice(None, f"hold: {seen}; no chunk down to {chunk} tokens brings that step under the target "
                                 f"(the step-time model predicts {predicted[chunk] * 1000:.0f} ms with {chunk}-token "
                                 f"chunks, {median * 1000:.0f} ms at the median of its spread)", prediction)
-        kept += f", {median * 1000:.0f} ms at its median: the deepest cut the bounds allow"
+        forecast += f", {median * 1000:.0f} ms at its median: the deepest cut the bounds allow"
     move = bounded_move(knobs, spec, KNOB, chunk, f"{seen}; the step-time model (held-out error "
-                        f"{model.heldout_mape:.0%}) predicts {kept}")
+                        f"{model.heldout_mape:.0%}) predicts {forecast}")
     return Choice(move, move.reason, prediction) if move else Choice(None, f"hold: {seen}; the chunk is at its bound",
                                                                       prediction)
 
