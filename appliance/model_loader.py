@@ -7,6 +7,7 @@ load saves a plain safetensors copy under the user cache folder and later loads 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import logging
@@ -129,8 +130,8 @@ def pick_device(device: str = "auto") -> torch.device:
     return torch.device(device)
 
 
-def cpu_has_fast_bf16() -> bool:
-    """True when the CPU has AMX-BF16 or AVX512-BF16 (bf16 matmuls run natively)."""
+def cpu_has_native_bf16() -> bool:
+    """True when the CPU has AMX-BF16 or AVX512-BF16 (bf16 matmuls run natively, not emulated)."""
     try:
         flags = Path("/proc/cpuinfo").read_text()
     except OSError:
@@ -138,13 +139,57 @@ def cpu_has_fast_bf16() -> bool:
     return "amx_bf16" in flags or "avx512_bf16" in flags
 
 
+# `auto` takes bf16 on a CPU only where its matmuls run at least this many times as fast as fp32's
+# (native bf16 is no promise of speed: see `cpu_bf16_pays`).
+BF16_MIN_SPEEDUP = 1.2
+BF16_PROBE_SHAPE = (64, 1024, 2048)  # rows, inputs, outputs: a decode batch through a mid-size projection
+
+
+def cpu_bf16_speedup(rounds: int = 7, calls: int = 5) -> float:
+    """How many times as fast a decode-sized matmul (BF16_PROBE_SHAPE) runs in bf16 as in fp32 on
+    this CPU, through torch's own CPU matmul: the best of `rounds` alternating timings of `calls`
+    calls each (about 0.1 s on two cores)."""
+    import time
+
+    rows, inputs, outputs = BF16_PROBE_SHAPE
+    gen = torch.Generator().manual_seed(0)
+    operands = {dt: (torch.randn(rows, inputs, generator=gen).to(dt), torch.randn(outputs, inputs, generator=gen).to(dt))
+                for dt in (torch.float32, torch.bfloat16)}
+    best = dict.fromkeys(operands, float("inf"))
+    with torch.inference_mode():
+        for dt, (x, w) in operands.items():  # warm-up: the first call picks and builds the kernel
+            torch.nn.functional.linear(x, w)
+        for _ in range(rounds):
+            for dt, (x, w) in operands.items():
+                start = time.perf_counter()
+                for _ in range(calls):
+                    torch.nn.functional.linear(x, w)
+                best[dt] = min(best[dt], time.perf_counter() - start)
+    return best[torch.float32] / best[torch.bfloat16]
+
+
+@functools.cache
+def cpu_bf16_pays() -> bool:
+    """bf16 is the faster dtype on this CPU: it runs bf16 natively and a matmul measured at least
+    BF16_MIN_SPEEDUP times as fast as in fp32 (measured once per process). Native bf16 alone says
+    little: an Intel Xeon that exposes AVX512-BF16 but no AMX ran the probe at about 0.7x fp32's
+    speed, and benchmarks/throughput.py's skewed-64 run at 143 tok/s in bf16 against 169 in fp32
+    (2026-12-02); an AMD EPYC with AVX512-BF16 runs bf16 matmuls about twice as fast as fp32's."""
+    if not cpu_has_native_bf16():
+        return False
+    speedup = cpu_bf16_speedup()
+    log.info("bf16 matmuls run %.2fx as fast as fp32's on this CPU: --dtype auto takes %s", speedup,
+             "bfloat16" if speedup >= BF16_MIN_SPEEDUP else "float32")
+    return speedup >= BF16_MIN_SPEEDUP
+
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """`auto` is bf16 on CUDA and on CPUs with native bf16, fp32 otherwise."""
+    """`auto` is bf16 on CUDA and on CPUs where bf16 matmuls are measured faster, fp32 otherwise."""
     if dtype == "auto":
-        if device.type == "cuda" or cpu_has_fast_bf16():
+        if device.type == "cuda" or (device.type == "cpu" and cpu_bf16_pays()):
             return torch.bfloat16
         return torch.float32
     if dtype not in DTYPES:

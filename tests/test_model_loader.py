@@ -42,10 +42,36 @@ def test_transformers_folder_loads_with_same_weights(loaded_model):
 def test_dtype_choice():
     cpu = torch.device("cpu")
     assert model_loader.pick_dtype("float32", cpu) is torch.float32
-    expected = torch.bfloat16 if model_loader.cpu_has_fast_bf16() else torch.float32
+    expected = torch.bfloat16 if model_loader.cpu_bf16_pays() else torch.float32
     assert model_loader.pick_dtype("auto", cpu) is expected
     with pytest.raises(ValueError, match="--dtype 'int3'"):
         model_loader.pick_dtype("int3", cpu)
+
+
+@pytest.mark.parametrize(("native", "speedup", "expected"), [
+    (True, 1.9, torch.bfloat16),  # AVX512-BF16 on an AMD EPYC: about twice fp32's matmul speed
+    (True, 0.7, torch.float32),  # AVX512-BF16 without AMX on an Intel Xeon: slower than fp32
+    (True, 1.1, torch.float32),  # faster, but not by BF16_MIN_SPEEDUP
+    (False, None, torch.float32),  # emulated bf16: not even measured
+])
+def test_auto_dtype_on_the_cpu_follows_the_measured_bf16_speed(monkeypatch, native, speedup, expected):
+    def measured() -> float:
+        assert speedup is not None, "measured where bf16 is not native"
+        return speedup
+
+    monkeypatch.setattr(model_loader, "cpu_has_native_bf16", lambda: native)
+    monkeypatch.setattr(model_loader, "cpu_bf16_speedup", measured)
+    model_loader.cpu_bf16_pays.cache_clear()
+    try:
+        assert model_loader.pick_dtype("auto", torch.device("cpu")) is expected
+        assert model_loader.pick_dtype("bfloat16", torch.device("cpu")) is torch.bfloat16  # asked for, never probed
+    finally:
+        model_loader.cpu_bf16_pays.cache_clear()
+
+
+def test_the_bf16_probe_times_real_matmuls():
+    speedup = model_loader.cpu_bf16_speedup(rounds=2, calls=2)
+    assert 0.01 < speedup < 100  # a ratio of two measured times
 
 
 def test_cli_generate_runs_the_real_model(loaded_model):
