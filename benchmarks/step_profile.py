@@ -6,7 +6,9 @@ its parts (perf_counter, inclusive, children subtracted from parents):
 
 - matmuls: every projection and the LM head (`PackedLinear`)
 - attention: the KV cache writes and decode attention (`paged_attention`)
-- elementwise: the rest of the forward (embedding, rotary tables, norms, rotary, silu * up)
+- elementwise: the norms, the rotary embedding of q and k (with their split into heads) and silu * up
+- other forward: the rest of the forward (embedding, rotary tables, the layer loop's Python, the
+  LM head's row pick)
 - metadata: the runner's input and attention metadata (Python lists -> tensors), logits to fp32
 - sampling, detokenise (incremental detokenizer), scheduling (`Scheduler.schedule`)
 - telemetry: building the iteration record and the sinks' calls (a real SQLite TelemetryWriter
@@ -42,7 +44,7 @@ from appliance.engine import EngineConfig, Knobs, LLMEngine, SamplingParams  # n
 from appliance.engine import detokenizer, engine as engine_module, fast_llama, model_runner, scheduler  # noqa: E402
 from appliance.model_loader import load_model  # noqa: E402
 
-CATEGORIES = ["matmuls", "attention", "elementwise", "metadata", "sampling", "detokenise", "scheduling",
+CATEGORIES = ["matmuls", "attention", "elementwise", "other forward", "metadata", "sampling", "detokenise", "scheduling",
               "telemetry", "other Python"]
 
 
@@ -77,7 +79,9 @@ def instrument(timers: Timers) -> None:
     """Wrap the engine's parts (classes and module names the engine calls through)."""
     fast_llama.PackedLinear.__call__ = timers.wrap("matmuls", fast_llama.PackedLinear.__call__)
     fast_llama.paged_attention = timers.wrap("attention", fast_llama.paged_attention)
-    fast_llama.FastLlamaForward.__call__ = timers.wrap("elementwise", fast_llama.FastLlamaForward.__call__)
+    for part in ("_norm", "_qkv", "_act"):  # _qkv's projection is a timed matmul inside it
+        setattr(fast_llama.FastLlamaForward, part, timers.wrap("elementwise", getattr(fast_llama.FastLlamaForward, part)))
+    fast_llama.FastLlamaForward.__call__ = timers.wrap("other forward", fast_llama.FastLlamaForward.__call__)
     model_runner.ModelRunner.execute = timers.wrap("metadata", model_runner.ModelRunner.execute)
     engine_module.sample = timers.wrap("sampling", engine_module.sample)
     detokenizer.IncrementalDetokenizer.add = timers.wrap("detokenise", detokenizer.IncrementalDetokenizer.add)
