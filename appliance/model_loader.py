@@ -13,7 +13,6 @@ import importlib.util
 import logging
 import os
 import shutil
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +21,8 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 import torch  # noqa: E402
+
+from appliance.numeric import best_times  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -154,17 +155,10 @@ def cpu_bf16_speedup(rounds: int = 7, calls: int = 5) -> float:
     gen = torch.Generator().manual_seed(0)
     operands = {dt: (torch.randn(rows, inputs, generator=gen).to(dt), torch.randn(outputs, inputs, generator=gen).to(dt))
                 for dt in (torch.float32, torch.bfloat16)}
-    best = dict.fromkeys(operands, float("inf"))
     with torch.inference_mode():
-        for dt, (x, w) in operands.items():  # warm-up: the first call picks and builds the kernel
-            torch.nn.functional.linear(x, w)
-        for _ in range(rounds):
-            for dt, (x, w) in operands.items():
-                start = time.perf_counter()
-                for _ in range(calls):
-                    torch.nn.functional.linear(x, w)
-                best[dt] = min(best[dt], time.perf_counter() - start)
-    return best[torch.float32] / best[torch.bfloat16]
+        fp32, bf16 = best_times([lambda x=x, w=w: torch.nn.functional.linear(x, w) for x, w in operands.values()],
+                                repeats=rounds, calls=calls)
+    return fp32 / bf16
 
 
 @functools.cache

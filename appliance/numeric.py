@@ -4,7 +4,8 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+import time
+from typing import Any, Callable, Sequence
 
 
 def is_int(value: Any) -> bool:
@@ -40,3 +41,18 @@ def to_ms(seconds: float | None, digits: int | None = None) -> float | None:
 def ms_text(seconds: float | None, digits: int = 1, unit: str = " ms") -> str:
     """Seconds as milliseconds text, e.g. "12.5 ms" (unit="" for a bare number); "-" for None."""
     return "-" if seconds is None else f"{seconds * 1000:.{digits}f}{unit}"
+
+
+def best_times(fns: Sequence[Callable[[], object]], repeats: int = 7, calls: int = 20) -> list[float]:
+    """Seconds of the best of `repeats` runs of `calls` calls of each of `fns`, the runs of the
+    functions alternating (so a change of the machine's speed hits all alike), after a warm-up."""
+    for fn in fns:
+        fn()
+    best = [float("inf")] * len(fns)
+    for _ in range(repeats):
+        for i, fn in enumerate(fns):
+            t = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            best[i] = min(best[i], time.perf_counter() - t)
+    return best

@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import functools
 import logging
-import time
 from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
+
+from appliance.numeric import best_times
 
 from .cpu_kernels import CpuKernels
 from .paged_attention import AttentionMetadata, paged_attention
@@ -100,21 +101,6 @@ class PackedLinear:
 
 PLAIN_MARGIN = 0.85  # BLAS must take at most this share of the packed call's time to be used
 PLAIN_ROWS_TRIED = (1, 2)
-
-
-def best_times(fns: Sequence[Callable[[], object]], repeats: int = 7, calls: int = 20) -> list[float]:
-    """Seconds of the best of `repeats` runs of `calls` calls of each of `fns`, the runs of the
-    functions alternating (so a change of the machine's speed hits all alike), after a warm-up."""
-    for fn in fns:
-        fn()
-    best = [float("inf")] * len(fns)
-    for _ in range(repeats):
-        for i, fn in enumerate(fns):
-            t = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            best[i] = min(best[i], time.perf_counter() - t)
-    return best
 
 
 def faster_plain_rows(linear: PackedLinear, timed: Callable[[Sequence[Callable[[], object]]], list[float]] = best_times) -> int:
