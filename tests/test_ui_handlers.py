@@ -156,6 +156,31 @@ def test_live_refresh_charts_the_telemetry_and_marks_knob_changes(server, client
     assert "| max_num_seqs | 32 |" in effective
 
 
+def test_the_holding_reading_carries_the_whatifs_forecast_of_the_raise_it_recommends(loaded_model, tmp_path):
+    """max_num_seqs 2 under 12 requests at once: it holds the queueing with the cache nearly empty,
+    so the reading recommends raising it, and the what-if's replay of that raise joins the line."""
+    import re
+    from concurrent.futures import ThreadPoolExecutor
+
+    with serve_dashboard(loaded_model, f"sqlite:///{tmp_path / 'forecast.db'}", max_num_seqs=2) as srv:
+        body = {"prompt": "Hello there", "max_tokens": 8, "min_tokens": 8, "ignore_eos": True}
+        with ThreadPoolExecutor(12) as pool:
+            replies = list(pool.map(lambda _: httpx.post(f"{srv.base_url}/v1/completions", json=body, timeout=120),
+                                    range(12)))
+        assert all(r.status_code == 200 for r in replies)
+        client = Client(srv.ui_url, verbose=False)
+
+        def forecast():
+            headline = client.predict("1m", False, "", api_name="/live_refresh")[0]
+            return headline if "what-if replay" in headline else None
+
+        headline = wait_for(forecast, timeout=90, every=1.0)
+    assert "was max_num_seqs (2) while KV usage stayed under" in headline
+    assert re.search(r"raising max_num_seqs should help\. The what-if replay of the last 1 min predicts TTFT p99 "
+                     r"[0-9.]+ m?s → [0-9.]+ m?s with max_num_seqs 2 → 4 \(step-time model held-out error "
+                     r"[0-9]+ %\)\.", headline), headline
+
+
 # -------------------------------------------------------------------------------------- chat
 
 

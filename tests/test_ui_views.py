@@ -456,6 +456,7 @@ class _CountingAPI:
 
     def __init__(self):
         self.calls = 0
+        self.simulations = 0
 
     def state(self):
         self.calls += 1
@@ -464,6 +465,10 @@ class _CountingAPI:
 
     def knobs(self):
         return {"knobs": {"max_num_seqs": 16, "scheduling_policy": "continuous"}, "version": 1, "iteration": 20}
+
+    def simulate(self, changes, **source):
+        self.simulations += 1
+        raise ApiError("not asked for in these tests", 422)
 
 
 def test_sessions_refreshing_in_one_tick_share_one_build_and_new_telemetry_shows_next_tick(filled_store,
@@ -519,6 +524,9 @@ def test_sessions_refreshing_in_one_tick_share_one_build_and_new_telemetry_shows
     assert isinstance(later[n + 1], gr.Timer) and later[n + 1].value == live_tab.REFRESH_S
     # a paused view sends nothing and builds nothing
     assert tab.tick("1m", True, later[n], "", None)[:n] == [gr.skip()] * n and tab.cache.builds == 2
+    # max_num_seqs held most of the queueing, but the knobs changed in the window: no what-if asked
+    tab.forecasts.wait(10)
+    assert api.simulations == 0
     engine.dispose()
 
 

@@ -32,6 +32,7 @@ from appliance.telemetry.queries import HeldTime, LatencyPoint, Series
 from ui import charts, holding
 from ui.api_client import ApiError
 from ui.context import DashboardContext
+from ui.holding_forecast import Forecasts, Source
 from ui.knobs_panel import effective_markdown
 from ui.live_plot import LivePlot, PlotPayload
 from ui.slow_requests import Scope, SlowRequestsPanel
@@ -105,11 +106,27 @@ class LiveData:
         blocks = max((p.max for p in total), default=0.0)
         return max(p.max for p in used) / blocks if used and blocks else None
 
-    def holding_reading(self, knobs: dict[str, Any]) -> str:
-        """holding.reading of this window, with the knobs in force."""
-        where = self.window.label if self.window.run_id else f"the last {self.window.label}"
+    def where(self) -> str:
+        """The window as the reading names it ("run smoke", "the last 5 min")."""
+        return self.window.label if self.window.run_id else f"the last {self.window.label}"
+
+    def forecast_source(self) -> Source:
+        """What the what-if replays for the reading's forecast: the run, or the window's minutes."""
+        if self.window.run_id:
+            return Source(self.where(), run_id=self.window.run_id)
+        return Source(self.where(), minutes=(self.window.until - self.window.since) / 60)
+
+    def raise_to_try(self, knobs: dict[str, Any]) -> dict[str, int] | None:
+        """holding.raise_to_try of this window, with the knobs in force; None when the knobs
+        changed in it (the what-if replays a window at the knobs it started with, which then
+        are not the ones a raise would start from)."""
+        return None if self.changes else holding.raise_to_try(self.held.totals, knobs, self.kv_peak())
+
+    def holding_reading(self, knobs: dict[str, Any], forecast: str | None = None) -> str:
+        """holding.reading of this window, with the knobs in force (and the what-if's `forecast`)."""
         preemptions = int(sum(p.sum for p in self.series["preemptions"].points))
-        return holding.reading(self.held.totals, where, knobs, self.kv_peak(), preemptions, bool(self.changes))
+        return holding.reading(self.held.totals, self.where(), knobs, self.kv_peak(), preemptions, bool(self.changes),
+                               forecast)
 
 
 def resolve_window(db: Any, choice: str | None, now: float | None = None) -> Window:
@@ -472,6 +489,7 @@ class LiveTab:
         self.ctx = ctx
         self.db = db
         self.cache = LiveCache(self.snapshot, clock=clock)
+        self.forecasts = Forecasts(ctx.api.simulate)
         self.clock = clock
         self.slow = SlowRequestsPanel(ctx, db, "live", self.scope)
 
@@ -551,7 +569,10 @@ class LiveTab:
         newest = data.series["running"].points[-1:]
         activity = (error, *engine, *[(p.t, p.count) for p in newest], sum(p.count for p in data.ttft),
                     len(data.changes))
-        reading = data.holding_reading((knobs or {}).get("knobs", {}))
+        in_force = (knobs or {}).get("knobs", {})
+        forecast = self.forecasts.sentence(view, data.forecast_source(), data.raise_to_try(in_force),
+                                           (knobs or {}).get("version"))
+        reading = data.holding_reading(in_force, forecast)
         return Snapshot(headline_html(state, knobs, tokens_per_s, preemptions, error, reading), plots, effective,
                         activity)
 
