@@ -18,7 +18,8 @@ from appliance.engine.knobs import KnobState, KnobUpdate
 from appliance.records import ITERATION_METRICS, HoldCause, IterationStats, RequestStats
 from appliance.server.autopilot import FOLLOW_UP_S, SOURCE, Autopilot
 from appliance.server.autopilot_choice import MARGIN, USED, Forecast, never_reached, pick
-from appliance.server.autopilot_policy import DecodeGaps, Move, SpecError, decide, parse_spec, window_stats, worst_gaps
+from appliance.server.autopilot_policy import (DecodeGaps, Move, SpecError, WindowStats, decide, parse_spec, window_stats,
+                                               worst_gaps)
 from appliance.sim.fit import MIN_ROWS, EngineKey, StepTimeModel
 from appliance.sim.replay import CacheShape, SimRequest, replay
 from appliance.telemetry import queries
@@ -158,6 +159,17 @@ def test_itl_over_target_with_prefill_in_steps_halves_the_chunk():
     feed(ap, 1013.0, ttft=0.2, itl=0.2, prefill=256)
     ap.tick(1024.0)  # the chunk is at its bound: max_num_seqs goes down instead
     assert engine.knobs.long_prefill_token_threshold == 64 and engine.knobs.max_num_seqs == 48
+
+
+@pytest.mark.parametrize("peak, mean, cut", [(12, 8.8, 9), (12, 10.5, 11), (12, 12.0, None), (0, 0.0, 48),
+                                             (64, 60.2, 61), (64, 64.0, None)])
+def test_an_itl_cut_of_max_num_seqs_never_goes_under_the_mean_that_ran(peak, mean, cut):
+    # a quarter under the peak that ran, but never under the sequences the window ran on average
+    # (rounded up): fewer would serve less than the window asked, and the queue would grow; a
+    # limit at or over the peak changes nothing, so no move
+    w = WindowStats(10, 0.2, 0.2, dict.fromkeys(HoldCause, 0.0), 0.3, 0.0, peak, mean)
+    move = decide(w, Knobs(max_num_seqs=64), parse_spec("ttft_p99=1s,itl_p99=50ms"))
+    assert (move and move.changes) == ({"max_num_seqs": cut} if cut else None)
 
 
 def test_itl_over_target_lowers_max_num_seqs_below_what_actually_ran():
@@ -472,14 +484,16 @@ def test_the_simulating_autopilot_stops_when_off_and_yields_to_a_manual_change()
 
 
 def stalling_window(ap: Autopilot, n: int = 200, chunks: tuple[int, ...] = (256, 200, 90, 256),
-                    hiccup: bool = False, t0: float = T0, fewest_rows: int = 2, jitter: float = 0.0) -> float:
+                    hiccup: bool = False, t0: float = T0, fewest_rows: int = 2, jitter: float = 0.0,
+                    running: bool = False) -> float:
     """`n` back-to-back steps from `t0` of a known engine (step = 30 ms + 4 ms per decode row +
     0.5 ms per prefill token + 10 ms per prefill chunk + 1 us per context token), every 10th
     carrying one prompt's prefill chunk (of `chunks` in turn) beside 2-6 decode rows (or
     `fewest_rows` to 4 more), and two finished requests (too few to replay). `hiccup`: the middle
     step carries a 64-token chunk and takes 300 ms (the machine, not its composition). `jitter`:
     each step takes up to that share more or less (seeded), the spread a real machine gives the
-    fit. Returns the last step's end."""
+    fit. `running`: each step records its sequences (decode rows and the prefilling prompt) as
+    running, 4.2 on average over the steps' time. Returns the last step's end."""
     t = t0
     rng = random.Random(1)
     for i in range(n):
@@ -491,7 +505,8 @@ def stalling_window(ap: Autopilot, n: int = 200, chunks: tuple[int, ...] = (256,
             prefill, duration = 64, 0.3
         base = {m.name: 0 for m in ITERATION_METRICS}
         base.update(started_at=t, duration_s=duration, policy="continuous", kv_blocks_total=100, decode_seqs=rows,
-                    decode_tokens=rows, prefill_seqs=int(prefill > 0), prefill_tokens=prefill, decode_context_tokens=ctx)
+                    decode_tokens=rows, prefill_seqs=int(prefill > 0), prefill_tokens=prefill, decode_context_tokens=ctx,
+                    running=(rows + int(prefill > 0)) if running else 0)
         ap.on_iteration(IterationStats(**base))
         t += duration
     for i in range(2):
@@ -646,6 +661,24 @@ def test_a_stall_with_the_chunk_at_its_bound_cuts_max_num_seqs_as_far_as_needed(
         assert predicted[str(seqs - 1)] <= itl_ms / 1000 < predicted["5"]
     decided = ap.view()["last_decision"]
     assert ap.tick(end + 3) is None and ap.view()["last_decision"] == decided  # one such fit per cooldown
+
+
+@pytest.mark.parametrize("itl_ms, seqs", [(125, 5), (115, None)])
+def test_a_stall_cut_of_max_num_seqs_stops_at_the_sequences_the_window_ran_on_average(itl_ms, seqs):
+    # as above, with each step's sequences recorded as running (4.2 on average, so 5 at the least):
+    # 125 ms still cuts to 5; at 115 ms the 3 that would keep the target would serve less than the
+    # window asked of the engine, and the queue would grow: hold
+    ap, engine = pilot(f"ttft_p99=5s,itl_p99={itl_ms}ms,long_prefill_token_threshold=128..512", fixed=FIXED,
+                       window_s=300, long_prefill_token_threshold=128, max_num_seqs=64)
+    end = stalling_window(ap, chunks=(128,), running=True)
+    move = ap.tick(end + 1)
+    if seqs is not None:
+        assert move is not None and engine.knobs.max_num_seqs == seqs
+        return
+    assert move is None and engine.version == 0
+    assert ap.view()["last_decision"]["reason"].endswith(
+        "the chunk is at its bound and max_num_seqs 3 would bring that step under the target, but fewer than 5 (the "
+        "sequences the window ran on average, rounded up) would let the queue grow")
 
 
 @pytest.mark.parametrize("itl_ms, seqs", [(125, 5), (100, None)])

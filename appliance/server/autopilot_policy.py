@@ -8,7 +8,8 @@ fit it. Rules, in order:
   request-time (max_num_seqs only while KV usage peaks under KV_ROOM; nothing when free KV blocks
   held it: no knob here adds memory).
 - else ITL p99 over its target: halve long_prefill_token_threshold when steps carried prefill
-  chunks (smaller chunks bound the stall), else lower max_num_seqs (below the most that ran).
+  chunks (smaller chunks bound the stall), else lower max_num_seqs (below the most that ran,
+  never under the mean that ran: `seqs_demand`).
 - else both under RELAX x target: give back the most recent raise, one step at a time.
 Each move stays inside the operator's bounds and is checked as a whole knob set.
 """
@@ -127,12 +128,31 @@ class WindowStats:
     kv_peak: float  # 0..1
     prefill_step_share: float  # share of steps that carried prefill chunks
     running_peak: int = 0  # the most sequences any iteration ran
+    running_mean: float = 0.0  # the sequences running, averaged over the iterations' time
 
     def fewer_seqs(self, max_num_seqs: int) -> int:
-        """max_num_seqs cut by a quarter from what actually ran: lowering a limit the window never
-        reached would change nothing."""
+        """max_num_seqs cut by a quarter from what actually ran (lowering a limit the window never
+        reached would change nothing), and never under `seqs_demand` (max_num_seqs itself when
+        that leaves no cut)."""
         base = self.running_peak if 0 < self.running_peak < max_num_seqs else max_num_seqs
-        return max(1, math.floor(base * 0.75))
+        cut = max(1, math.floor(base * 0.75), seqs_demand(self.running_mean))
+        return cut if cut < base else max_num_seqs
+
+
+def seqs_demand(running_mean: float) -> int:
+    """The fewest max_num_seqs that serve a window's load: the sequences it ran on average. A step
+    takes a fixed time plus a little per row, so at a limit L the engine serves about L / step(L)
+    tokens per second, which falls under what the window asked of it (its mean m over step(m))
+    once L < m, and the queue then grows for as long as the load lasts (Little's law;
+    benchmarks/autopilot.py runs 44-45: cuts to 8 and 11 under a steady load, and the queue
+    missed TTFT for 35 s after each)."""
+    return math.ceil(running_mean - 1e-9)
+
+
+def running_mean(iterations: Sequence[IterationStats]) -> float:
+    """The sequences running, averaged over the iterations' step time (0 without any)."""
+    busy = sum(it.duration_s for it in iterations)
+    return sum(it.running * it.duration_s for it in iterations) / busy if busy > 0 else 0.0
 
 
 @dataclass(frozen=True)
@@ -179,7 +199,8 @@ def window_stats(iterations: Sequence[IterationStats], requests: Sequence[Reques
     prefill = sum(1 for it in iterations if it.prefill_tokens > 0)
     gaps = DecodeGaps.of(iterations) if gaps is None else gaps
     return WindowStats(len(requests), p99(ttft), p99(worst_gaps(requests, gaps)), held, kv,
-                       prefill / len(iterations) if iterations else 0.0, max((it.running for it in iterations), default=0))
+                       prefill / len(iterations) if iterations else 0.0, max((it.running for it in iterations), default=0),
+                       running_mean(iterations))
 
 
 def p99(values: Sequence[float]) -> float | None:

@@ -44,7 +44,7 @@ from appliance.engine.knobs import Knobs
 from appliance.records import IterationStats, RequestStats
 from appliance.sim.fit import Composition, EngineKey, FitError, StepTimeModel, composition_of, fit_step_time
 
-from .autopilot_policy import Choice, Move, Spec, bounded_move, decode_waits
+from .autopilot_policy import Choice, Move, Spec, bounded_move, decode_waits, running_mean, seqs_demand
 
 KNOB = "long_prefill_token_threshold"
 SEQS = "max_num_seqs"
@@ -104,7 +104,7 @@ def chunk_cut(iterations: Sequence[IterationStats], knobs: Knobs, spec: Spec, fi
                   f"compositions (at the tail of its spread): the stall is not the chunk's", simulated=at_floor)
     prediction = {"stalled_steps": len(stalls), "worst_wait_s": wait}
     if at_floor:
-        return seqs_cut(model, now, knobs, spec, seen, prediction)
+        return seqs_cut(model, now, knobs, spec, seen, prediction, seqs_demand(running_mean(iterations)))
     return deepest_needed(model, now, knobs, spec, fixed, seen, prediction)
 
 
@@ -208,12 +208,13 @@ def deepest_needed(model: StepTimeModel, step: Composition, knobs: Knobs, spec: 
 
 
 def seqs_cut(model: StepTimeModel, step: Composition, knobs: Knobs, spec: Spec, seen: str,
-             prediction: dict[str, Any]) -> Choice:
+             prediction: dict[str, Any], demand: int) -> Choice:
     """With the chunk at its bound, the stalled `step` is bounded by the sequences beside its
     prefills: the most sequences under which it (its decode rows fewer, their context in
     proportion) keeps the ITL target at the p99 of the fit's spread with the model's held-out
-    error to spare; a hold when none down to the operator's lower bound does. Marked simulated:
-    the controller spaces such fits out as it does replays."""
+    error to spare; a hold when none down to the operator's lower bound does, or when that is
+    under `demand` (seqs_demand of the window: fewer would let the queue grow). Marked
+    simulated: the controller spaces such fits out as it does replays."""
     target = spec.targets["itl_p99"]
     chunk, headroom = knobs.long_prefill_token_threshold, 1 + model.heldout_mape
 
@@ -230,6 +231,10 @@ def seqs_cut(model: StepTimeModel, step: Composition, knobs: Knobs, spec: Spec, 
     if rows == 0 or seqs < seqs_floor(spec):
         return Choice(None, f"hold: {seen}; the chunk is at its bound and no max_num_seqs down to "
                             f"{seqs_floor(spec)} brings that step under the target", prediction, simulated=True)
+    if seqs < demand:
+        return Choice(None, f"hold: {seen}; the chunk is at its bound and max_num_seqs {seqs} would bring that step "
+                            f"under the target, but fewer than {demand} (the sequences the window ran on average, "
+                            "rounded up) would let the queue grow", prediction, simulated=True)
     move = bounded_move(knobs, spec, SEQS, seqs, f"{seen}; the chunk is at its bound, and the step-time model "
                         f"(held-out error {model.heldout_mape:.0%}) predicts {cut * 1000:.0f} ms with {rows} "
                         f"decode rows beside its prefill, {now * 1000:.0f} ms with {step.decode_rows} "
