@@ -17,10 +17,12 @@ move nothing here (a bound kept at the median only is still the cut). With the c
 at that floor, the decode rows beside it bound the stalled step: the largest max_num_seqs under
 which the model predicts it under the target is the move (`seqs_cut`; benchmarks/autopilot.py run
 37: with 64-token chunks and up to 16 sequences running, 58 prefill steps in 30 s of long prompts
-kept decode rows past 150 ms; the best fixed setting, 8 sequences, 13). Such a window is not even
-fitted when max_num_seqs cannot go under what the stalled steps ran (the fit is tens of
-milliseconds of Python in the server's process, which the engine's thread then waits on for the
-GIL), and a fit at the floor is spaced out like a replay.
+kept decode rows past 150 ms; the best fixed setting, 8 sequences, 13), but never under the
+sequences the window ran on average (`seqs_demand`: fewer would let the queue grow). Such a
+window is not even fitted when no max_num_seqs under what the stalled steps ran is left above
+both that mean and the operator's lower bound (the fit is tens of milliseconds of Python in the
+server's process, which the engine's thread then waits on for the GIL), and a fit at the floor
+is spaced out like a replay.
 
 The model also sees a stall coming (`foresight`): once the window has priced prefill tokens, a
 whole chunk beside the most decode rows the window has run is predicted; a chunk whose step
@@ -84,7 +86,8 @@ def chunk_cut(iterations: Sequence[IterationStats], knobs: Knobs, spec: Spec, fi
            f"(ITL target {target * 1000:.0f} ms)"
     at_floor = knobs.long_prefill_token_threshold <= floor_of(spec, fixed)
     ran = max(it.decode_seqs + it.prefill_seqs for it, _ in stalls)
-    if at_floor and seqs_floor(spec) >= min(knobs.max_num_seqs, ran):  # nothing to cut: no fit
+    demand = seqs_demand(running_mean(iterations))
+    if at_floor and max(seqs_floor(spec), demand) >= min(knobs.max_num_seqs, ran):  # nothing to cut: no fit
         return Choice(None, f"hold: {seen}; the chunk is at its bound")
     try:
         model = fit_window(iterations, fixed)
@@ -104,7 +107,7 @@ def chunk_cut(iterations: Sequence[IterationStats], knobs: Knobs, spec: Spec, fi
                   f"compositions (at the tail of its spread): the stall is not the chunk's", simulated=at_floor)
     prediction = {"stalled_steps": len(stalls), "worst_wait_s": wait}
     if at_floor:
-        return seqs_cut(model, now, knobs, spec, seen, prediction, seqs_demand(running_mean(iterations)))
+        return seqs_cut(model, now, knobs, spec, seen, prediction, demand)
     return deepest_needed(model, now, knobs, spec, fixed, seen, prediction)
 
 
