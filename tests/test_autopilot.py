@@ -172,43 +172,6 @@ def test_an_itl_cut_of_max_num_seqs_never_goes_under_the_mean_that_ran(peak, mea
     assert (move and move.changes) == ({"max_num_seqs": cut} if cut else None)
 
 
-def _cut_to_nine(ap) -> None:
-    """ITL over target in a decode-only window where at most 12 ran (8.8 on average): the rules cut
-    max_num_seqs 64→9."""
-    for i in range(50):
-        ap.on_iteration(dataclasses.replace(iteration(990.0 + i * 0.2), running=12 if i % 5 == 0 else 8))
-    for i in range(10):
-        ap.on_request(request(990.0 + i, 0.2, 0.2))
-    assert ap.tick(1000.0) is not None
-
-
-@pytest.mark.parametrize("waiting, kv, given_back", [(3, 0.3, True), (1, 0.3, True), (0, 0.3, False),
-                                                      (3, 0.9, False)])
-def test_a_cut_of_max_num_seqs_the_load_outgrew_is_given_back_at_once(waiting, kv, given_back):
-    # then TTFT is still within its target, but the limit keeps `waiting` requests queued at every
-    # step: the load outgrew the cut, which is given back whole before the p99 crosses the target
-    # (not with the KV cache near full: more sequences would be preempted)
-    ap, engine = pilot("ttft_p99=1s,itl_p99=50ms", max_num_seqs=64)
-    _cut_to_nine(ap)
-    assert engine.knobs.max_num_seqs == 9
-    feed(ap, 1001.0, ttft=0.6, itl=0.02, kv=kv, **({"max_num_seqs": waiting} if waiting else {}))
-    move = ap.tick(1012.0)
-    if not given_back:
-        assert move is None and engine.knobs.max_num_seqs == 9
-        return
-    assert move is not None and engine.knobs.max_num_seqs == 64
-    assert move.reason == (f"max_num_seqs 9→64: giving back the cut: the limit kept {waiting:.1f} requests waiting on "
-                           "average over the window (KV peak 30%): the load outgrew it")
-
-
-def test_a_raise_or_an_operators_change_ends_the_cut_to_give_back():
-    ap, engine = pilot("ttft_p99=1s,itl_p99=50ms", max_num_seqs=64)
-    _cut_to_nine(ap)
-    engine.apply({"max_num_seqs": 12}, source="api", at=1001.0)  # the operator's value is the new baseline
-    feed(ap, 1062.0, ttft=0.6, itl=0.02, max_num_seqs=3)
-    assert ap.tick(1073.0) is None and engine.knobs.max_num_seqs == 12
-
-
 def test_itl_over_target_lowers_max_num_seqs_below_what_actually_ran():
     ap, engine = pilot("ttft_p99=1s,itl_p99=50ms", max_num_seqs=64)
     for i in range(50):  # decode only, never more than 12 running: a limit of 48 would change nothing

@@ -570,8 +570,10 @@ class LiveTab:
         activity = (error, *engine, *[(p.t, p.count) for p in newest], sum(p.count for p in data.ttft),
                     len(data.changes))
         in_force = (knobs or {}).get("knobs", {})
-        forecast = self.forecasts.sentence(view, data.forecast_source(), data.raise_to_try(in_force),
-                                           (knobs or {}).get("version"))
+        # the what-if replays the serving replica's own traffic: not a fleet's, nor one replica of several
+        one_replica = not replica and not data.by_replica
+        forecast = self.forecasts.sentence(view, data.forecast_source(), data.raise_to_try(in_force) if one_replica
+                                           else None, (knobs or {}).get("version"))
         reading = data.holding_reading(in_force, forecast)
         return Snapshot(headline_html(state, knobs, tokens_per_s, preemptions, error, reading), plots, effective,
                         activity)

@@ -34,9 +34,8 @@ from ..engine import StatsSink
 from ..engine.knobs import KnobConflict, KnobSnapshot
 from ..records import IterationStats, KnobChange, RequestStats
 from .autopilot_choice import replayed, without_replay
-from .autopilot_policy import MIN_REQUESTS, Choice, Move, Spec, decide, give_back_cut, window_stats
+from .autopilot_policy import MIN_REQUESTS, Choice, Move, Spec, decide, window_stats
 from .autopilot_stalls import KNOB as CHUNK
-from .autopilot_stalls import SEQS
 from .autopilot_stalls import chunk_cut
 from .autopilot_worker import ChoiceWorker
 
@@ -82,7 +81,6 @@ class Autopilot(StatsSink):
         self._manual_at = float("-inf")
         self._manual_seq = 0  # counts knob changes by others; a decision spanning one is dropped
         self._last_raise: dict[str, int] = {}
-        self._last_cut: dict[str, int] = {}  # {"max_num_seqs": its value before the autopilot's cuts in force}
         self._cut_at = float("-inf")  # when the chunk was last cut, while that is the latest move
         self._stall_at = float("-inf")  # the latest prefill step longer than the ITL target
         self._follow_up_at = float("-inf")  # the latest deeper-cut decision inside a cooldown
@@ -121,7 +119,6 @@ class Autopilot(StatsSink):
                 self._manual_at = change.applied_at
                 self._manual_seq += 1
                 self._last_raise = {}  # the operator's values are the new baseline
-                self._last_cut = {}
                 self._cut_at = float("-inf")
 
     # -- control --------------------------------------------------------------------------------
@@ -168,7 +165,7 @@ class Autopilot(StatsSink):
                 if follow_up:
                     self._follow_up_at = now
                 iterations, requests = list(self._iterations), list(self._requests)
-                seq, spec, last_cut = self._manual_seq, self.spec, dict(self._last_cut)
+                seq, spec = self._manual_seq, self.spec
                 # a raise is given back only once a whole window has been read under it (hysteresis:
                 # a burst that ends just after a raise does not undo it ten seconds later)
                 last_raise = dict(self._last_raise) if now - self._last_move_at >= self.window_s else {}
@@ -179,7 +176,7 @@ class Autopilot(StatsSink):
                 if choice is None:
                     return None
             else:
-                choice = self._choose(iterations, requests, snap.knobs, spec, last_raise, last_cut)
+                choice = self._choose(iterations, requests, snap.knobs, spec, last_raise)
             with self._lock:
                 if choice.move is None and choice.reason != (self.last_decision or {}).get("reason"):
                     log.info("autopilot: %s", choice.reason)  # a hold, logged when its reason changes
@@ -208,8 +205,6 @@ class Autopilot(StatsSink):
                     self._last_raise = {name: before[name]}
                 elif self._last_raise.get(name) is not None:
                     self._last_raise = {}
-                if name == SEQS:  # a raise ends the cuts in force; a cut keeps the value before the first
-                    self._last_cut = {SEQS: self._last_cut.get(SEQS, before[name])} if value < before[name] else {}
                 self._cut_at = now if name == CHUNK and value < before[name] else float("-inf")
                 self.moves.append({"at": now, "version": change.version, "changes": move.changes,
                                    "reason": choice.reason, "prediction": choice.prediction})
@@ -224,12 +219,8 @@ class Autopilot(StatsSink):
             return None
 
     def _choose(self, iterations: list[IterationStats], requests: list[RequestStats], knobs: Any, spec: Spec,
-                last_raise: dict[str, int], last_cut: dict[str, int]) -> Choice:
-        """A cut of max_num_seqs the load outgrew given back (no replay: the window's finished
-        requests cannot show a load still growing); else by simulation when the engine's fixed
-        settings are known, else by the rules alone."""
-        if last_cut and (back := give_back_cut(window_stats(iterations, requests), knobs, spec, last_cut)):
-            return Choice(back, back.reason)
+                last_raise: dict[str, int]) -> Choice:
+        """By simulation when the engine's fixed settings are known, else by the rules alone."""
         if self._fixed is not None:
             # what needs no replay (a step-time fit at most, milliseconds) is decided here, where a
             # worker at nice 19 beside a busy engine would wait most of a second for the CPU

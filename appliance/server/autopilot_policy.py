@@ -11,7 +11,6 @@ fit it. Rules, in order:
   chunks (smaller chunks bound the stall), else lower max_num_seqs (below the most that ran,
   never under the mean that ran: `seqs_demand`).
 - else both under RELAX x target: give back the most recent raise, one step at a time.
-Before them all, a cut of max_num_seqs that the load outgrew is given back at once (`give_back_cut`).
 Each move stays inside the operator's bounds and is checked as a whole knob set.
 """
 
@@ -32,7 +31,6 @@ TARGETS = ("ttft_p99", "itl_p99")
 TUNABLE = ("max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold",
            "max_num_partial_prefills", "max_long_partial_prefills")
 KV_ROOM = 0.8
-OUTGROWN = 0.5  # requests kept waiting by max_num_seqs, on average over the window: the load outgrew a cut
 RELAX = 0.5  # both percentiles under this share of their targets: relax the last raise
 MIN_REQUESTS = 5  # fewer finished requests in the window: no decision
 _DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(ms|s)?\s*$")
@@ -131,7 +129,6 @@ class WindowStats:
     prefill_step_share: float  # share of steps that carried prefill chunks
     running_peak: int = 0  # the most sequences any iteration ran
     running_mean: float = 0.0  # the sequences running, averaged over the iterations' time
-    busy_s: float = 0.0  # the iterations' time
 
     def fewer_seqs(self, max_num_seqs: int) -> int:
         """max_num_seqs cut by a quarter from what actually ran (lowering a limit the window never
@@ -203,7 +200,7 @@ def window_stats(iterations: Sequence[IterationStats], requests: Sequence[Reques
     gaps = DecodeGaps.of(iterations) if gaps is None else gaps
     return WindowStats(len(requests), p99(ttft), p99(worst_gaps(requests, gaps)), held, kv,
                        prefill / len(iterations) if iterations else 0.0, max((it.running for it in iterations), default=0),
-                       running_mean(iterations), sum(it.duration_s for it in iterations))
+                       running_mean(iterations))
 
 
 def p99(values: Sequence[float]) -> float | None:
@@ -272,24 +269,6 @@ def decide(w: WindowStats, knobs: Knobs, spec: Spec, last_raise: dict[str, int] 
         return bounded_move(knobs, spec, name, before, f"TTFT and ITL p99 under {RELAX:.0%} of their targets: "
                                                f"giving back the last raise of {name}")
     return None
-
-
-def give_back_cut(w: WindowStats, knobs: Knobs, spec: Spec, last_cut: Mapping[str, int]) -> Move | None:
-    """The value max_num_seqs had before the autopilot cut it, at once, when the load outgrew the
-    cut: over the window the limit kept at least OUTGROWN requests waiting on average, with the
-    KV cache under KV_ROOM. The TTFT rule would raise it only once the p99 crossed its target,
-    and then by half at a time (benchmarks/autopilot.py runs 45-47: cuts to 8 made in the chat
-    phase came back over 35-50 s of long prompts, in two or three raises, while the queue missed
-    TTFT). `last_cut`: {"max_num_seqs": value before the cuts still in force}, or empty."""
-    before = last_cut.get("max_num_seqs")
-    if before is None or w.busy_s <= 0 or w.kv_peak >= KV_ROOM:
-        return None
-    waiting = w.held_s[HoldCause.MAX_NUM_SEQS] / w.busy_s
-    if waiting < OUTGROWN:
-        return None
-    return bounded_move(knobs, spec, "max_num_seqs", before,
-                        f"giving back the cut: the limit kept {waiting:.1f} requests waiting on average over the window "
-                        f"(KV peak {w.kv_peak:.0%}): the load outgrew it")
 
 
 def bounded_move(knobs: Knobs, spec: Spec, name: str, wanted: int, reason: str) -> Move | None:
