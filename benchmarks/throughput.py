@@ -12,7 +12,10 @@ size and context (transformers DynamicCache, no scheduler), and the ceiling no s
 here with these matmul kernels (see `throughput_ceiling`): prefill FLOPs at the best measured GEMM
 rate plus, per decode step, the larger of its FLOPs and one batch-1 pass over the weights; the
 kernels are timed right before and right after the engine's continuous run, and the faster timing
-sets the ceiling.
+sets the ceiling. Last, what the engine's own matmuls alone cost (`matmul_bound`): its matmul
+calls timed at the rows each of its steps ran, weights streamed from memory as in a step, which
+splits the gap to the ceiling into the kernels' share (a step's matmuls at tens of rows, weights
+cold, run well under the hot 512-row rate) and the rest of the engine's.
 
     python benchmarks/throughput.py [--dtype float32] [--also-bf16] [--skip-peers] [--num-threads N]
 """
@@ -20,6 +23,7 @@ sets the ceiling.
 from __future__ import annotations
 
 import argparse
+import bisect
 import contextlib
 import inspect
 import json
@@ -58,14 +62,19 @@ def run_engine(loaded, requests, policy: str, max_num_seqs: int) -> dict:
     t0 = time.time()
     for i, r in enumerate(requests):
         engine.add_request(str(i), r["prompt_ids"], SamplingParams(max_tokens=r["output_len"], temperature=0, ignore_eos=True), arrival=t0)
-    tokens, e2e, ttft = 0, [], []
+    tokens, e2e, ttft, steps = 0, [], [], []
     while engine.has_unfinished():
+        sampled = 0
         for out in engine.step():
-            tokens += len(out.new_token_ids)
+            sampled += len(out.new_token_ids)
             if out.finished:
                 e2e.append(out.metrics.finished - t0)
                 ttft.append(out.metrics.first_token - t0)
-    return summarize(f"engine {policy}", time.time() - t0, tokens, e2e, ttft)
+        tokens += sampled
+        steps.append((engine.last_stats.scheduled_tokens + engine.last_stats.padding_tokens, sampled))
+    row = summarize(f"engine {policy}", time.time() - t0, tokens, e2e, ttft)
+    row["steps"], row["linears"] = steps, engine.runner.fast.linears() if engine.runner.fast else None
+    return row
 
 
 @contextlib.contextmanager
@@ -227,6 +236,40 @@ def throughput_ceiling(loaded, requests, speeds: list[tuple[float, float]]) -> t
     return ceiling, how
 
 
+MATMUL_GRID = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+
+
+def matmul_bound(linears: list[PackedLinear], steps: list[tuple[int, int]], device: torch.device) -> float:
+    """Seconds the engine's own matmul calls (`linears`: the layers' projections, then the LM head)
+    take alone at the rows each of its `steps` ran ((rows forwarded, rows sampled)), every weight
+    streamed from memory once per step as in a forward: each call set timed (best of 3) over
+    MATMUL_GRID rows and interpolated linearly between. No attention, no elementwise work, no
+    Python: what the engine's wall would be if its matmuls were all it did."""
+    *body, head = linears
+    widest = max(max(r, s) for r, s in steps)
+    grid = [g for g in MATMUL_GRID if g < widest] + [widest]
+    with torch.inference_mode():
+        def pass_times(calls: list[PackedLinear]) -> list[float]:
+            times = []
+            for rows in grid:
+                xs = [torch.randn(rows, lin.weight.shape[1], dtype=lin.weight.dtype, device=device) for lin in calls]
+                times.append(best_of(lambda: [lin(x) for x, lin in zip(xs, calls)], 3, device))
+            return times
+
+        body_s, head_s = pass_times(body), pass_times([head])
+
+    def at(times: list[float], rows: int) -> float:
+        if rows <= 0:
+            return 0.0
+        i = bisect.bisect_left(grid, rows)  # grid starts at 1 row and ends at the widest step
+        if grid[i] == rows:
+            return times[i]
+        lo, hi = grid[i - 1], grid[i]
+        return times[i - 1] + (times[i] - times[i - 1]) * (rows - lo) / (hi - lo)
+
+    return sum(at(body_s, rows) + at(head_s, sampled) for rows, sampled in steps)
+
+
 def weight_pass_seconds(loaded) -> float:
     """Best time of one batch-1 matmul over every weight matrix (each streamed once from memory,
     as a batch-1 decode step must), with the default call or, on the CPU, the engine's packed one."""
@@ -302,6 +345,15 @@ def main() -> None:
         ceiling, how = throughput_ceiling(loaded, requests, speeds)
         print(how, flush=True)
         print(f"engine continuous reaches {100 * rows[0]['tok_s'] / ceiling:.0f} % of that ceiling", flush=True)
+        if rows[0]["linears"] is not None:
+            bound = matmul_bound(rows[0]["linears"], rows[0]["steps"], loaded.device)
+            tokens = rows[0]["tok_s"] * rows[0]["wall_s"]
+            print(f"matmuls alone: the engine's own matmul calls at the rows each of its {len(rows[0]['steps'])} "
+                  f"steps ran, weights streamed from memory as in a step, take {bound:.1f} s "
+                  f"({tokens / bound:.0f} tok/s = {100 * tokens / bound / ceiling:.0f} % of the ceiling); the "
+                  f"engine's {rows[0]['wall_s']:.1f} s is {100 * bound / rows[0]['wall_s']:.0f} % matmuls, "
+                  f"{100 - 100 * bound / rows[0]['wall_s']:.0f} % the rest (attention, elementwise, Python)",
+                  flush=True)
         for batch, ctx in ((64, 160), (1, 160)):
             eng, bare = efficiency(loaded, batch, ctx)
             print(f"efficiency at batch {batch}, context {ctx}: engine {eng:.1f} tok/s vs bare forward "
