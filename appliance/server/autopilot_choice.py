@@ -94,9 +94,11 @@ def candidates(w: WindowStats, knobs: Knobs, spec: Spec, last_raise: Mapping[str
     """The moves worth simulating, the rules' own first, each inside the bounds and valid as a
     whole set; at most MAX_CANDIDATES. Unlike the rules alone, an ITL over target also tries
     halving the token budget and the concurrent partial prefills (with several prompts prefilling
-    at once, those, not the chunk, bound a step's size) and the chunk at a quarter (a stall
-    several times the target needs more than one halving), and a raise of max_num_seqs is tried
-    even with the KV cache nearly full (the replay shows whether preemptions eat the gain)."""
+    at once, those, not the chunk, bound a step's size), the chunk at a quarter (a stall
+    several times the target needs more than one halving) and a lower max_num_seqs even beside
+    prefill chunks (the replay weighs what the rules alone do not cut blindly), and a raise of
+    max_num_seqs is tried even with the KV cache nearly full (the replay shows whether
+    preemptions eat the gain)."""
     rule = decide(w, knobs, spec, dict(last_raise or {}))
     out = [rule] if rule is not None else []
     ttft_over, itl_over = over_targets(w, spec)

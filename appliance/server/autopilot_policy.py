@@ -8,8 +8,10 @@ fit it. Rules, in order:
   request-time (max_num_seqs only while KV usage peaks under KV_ROOM; nothing when free KV blocks
   held it: no knob here adds memory).
 - else ITL p99 over its target: halve long_prefill_token_threshold when steps carried prefill
-  chunks (smaller chunks bound the stall), else lower max_num_seqs (below the most that ran,
-  never under the mean that ran: `seqs_demand`).
+  chunks (smaller chunks bound the stall); with the chunk at its bound, nothing (whether fewer
+  decode rows beside a chunk bring the stalled step under the target is the step-time model's
+  call: autopilot_stalls); when no step carried a chunk, lower max_num_seqs (below the most that
+  ran, never under the mean that ran: `seqs_demand`).
 - else both under RELAX x target: give back the most recent raise, one step at a time.
 Each move stays inside the operator's bounds and is checked as a whole knob set.
 """
@@ -258,10 +260,11 @@ def decide(w: WindowStats, knobs: Knobs, spec: Spec, last_raise: dict[str, int] 
     if itl_over:
         why = f"ITL p99 {w.itl_p99 * 1000:.0f} ms > target {itl_t * 1000:.0f} ms"
         if w.prefill_step_share > 0:
-            move = bounded_move(knobs, spec, "long_prefill_token_threshold", max(1, k["long_prefill_token_threshold"] // 2),
-                         f"{why}; {w.prefill_step_share:.0%} of steps carried prefill chunks")
-            if move is not None:
-                return move
+            # A blind cut of max_num_seqs here, at light load, was a limit the next load outgrew:
+            # runs 44-48 of benchmarks/autopilot.py cut 64→8 four times by this rule alone (each
+            # saving a few ms of a 170-300 ms chunk step), then queued for 35-50 s.
+            return bounded_move(knobs, spec, "long_prefill_token_threshold", max(1, k["long_prefill_token_threshold"] // 2),
+                                f"{why}; {w.prefill_step_share:.0%} of steps carried prefill chunks")
         return bounded_move(knobs, spec, "max_num_seqs", w.fewer_seqs(k["max_num_seqs"]), why)
     relaxed = all(w_v is None or t is None or w_v < RELAX * t for w_v, t in ((w.ttft_p99, ttft_t), (w.itl_p99, itl_t)))
     if relaxed and last_raise:
