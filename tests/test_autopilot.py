@@ -17,7 +17,8 @@ from appliance.engine import Knobs
 from appliance.engine.knobs import KnobState, KnobUpdate
 from appliance.records import ITERATION_METRICS, HoldCause, IterationStats, RequestStats
 from appliance.server.autopilot import FOLLOW_UP_S, SOURCE, Autopilot
-from appliance.server.autopilot_choice import MARGIN, USED, Forecast, never_reached, pick
+from appliance.server.autopilot_choice import (LOAD_GROWTH, MARGIN, USED, Choice, Forecast, heavier, load_checked,
+                                              never_reached, pick)
 from appliance.server.autopilot_policy import (DecodeGaps, Move, SpecError, WindowStats, decide, parse_spec, window_stats,
                                                worst_gaps)
 from appliance.sim.fit import MIN_ROWS, EngineKey, StepTimeModel
@@ -465,6 +466,33 @@ def test_a_raise_of_prefills_at_once_that_would_stall_every_stream_is_barred(per
         assert reason.startswith("hold: max_long_partial_prefills 1→2 barred: 2 prefill chunks of 64 tokens beside the ")
         wait_ms = int(reason.split("waiting ")[1].split(" ms")[0])
         assert 150 < wait_ms < 250
+
+
+def test_a_chosen_cut_of_max_num_seqs_is_checked_at_twice_the_windows_arrival_rate():
+    # 60 requests at 3/s on an engine whose decode rows cost 10 ms each: the replay cuts 64→9 for
+    # ITL; the same requests arriving twice as fast are replayed under 64 and under 9, and the
+    # cut keeps at least as many of them within the targets, so it stands, its check recorded
+    ap, engine = pilot("ttft_p99=1s,itl_p99=120ms,max_num_seqs=1..64", fixed=FIXED, window_s=300, max_num_seqs=64)
+    end = scripted_window(ap, engine.knobs, true_engine(intercept=0.01, decode_rows=0.01), n=60, rate=3.0)
+    assert ap.tick(end + 1) is not None and engine.knobs.max_num_seqs == 9
+    check = ap.view()["moves"][-1]["prediction"]["load_check"]
+    assert check["growth"] == LOAD_GROWTH and check["after"]["attainment"] >= check["before"]["attainment"] - MARGIN
+
+
+def test_a_cut_the_next_load_would_outgrow_is_barred():
+    cut = Choice(Move({"max_num_seqs": 8}, "max_num_seqs 64→8: ITL"), "max_num_seqs 64→8: ITL", {"before": {}})
+    knobs = Knobs(max_num_seqs=64)
+    at_twice = {64: Forecast(0.70, 2.0, 0.2), 8: Forecast(0.40, 9.0, 0.15)}  # the cut queues: TTFT missed
+    held = load_checked(cut, knobs, lambda k: at_twice[k.max_num_seqs])
+    assert held.move is None
+    assert held.reason == ("hold: max_num_seqs 64→8 barred: with the window's requests arriving 2x as fast the replay "
+                           "predicts 40% of them within the targets against 70% with the knobs in force (a cut the "
+                           "next load would outgrow)")
+    assert held.prediction["load_check"]["after"]["attainment"] == 0.40
+    close = {64: Forecast(0.70, 2.0, 0.2), 8: Forecast(0.70 - MARGIN, 2.5, 0.15)}  # loses no more than the margin
+    assert load_checked(cut, knobs, lambda k: close[k.max_num_seqs]).move == cut.move
+    reqs = [SimRequest(2.0, 10, 5, cancel_at=4.0), SimRequest(6.0, 10, 5)]
+    assert [(r.arrival, r.cancel_at) for r in heavier(reqs, 2.0)] == [(1.0, 2.0), (3.0, None)]
 
 
 def test_too_few_iterations_to_fit_falls_back_to_the_rules_and_says_so():

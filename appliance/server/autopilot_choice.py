@@ -2,7 +2,8 @@
 operator's bounds); the what-if simulator, fitted on the window's own iterations, replays the
 window's finished requests under the knobs in force and under each candidate; the candidate with
 the best predicted SLO attainment is chosen only if it beats the knobs in force by a margin
-(hysteresis). Too few iterations to fit, or a replay of the knobs in force that misses the
+(hysteresis); a chosen cut of max_num_seqs must also hold against the knobs in force with the
+window's requests arriving twice as fast (`load_checked`). Too few iterations to fit, or a replay of the knobs in force that misses the
 attainment measured on the same requests by more than CALIBRATION: the rules alone decide (the
 reason says so). A replay that cannot run: hold.
 
@@ -16,7 +17,7 @@ foresees stalling decode rows past the ITL target is barred (autopilot_stalls.ra
 from the replayed candidates and from the rules' move alike. A replay that ends in a hold leaves
 the choice to the stall answer when the window's prefill steps stalled (`or_stall_cut`).
 Replays (`replayed`) are bounded (the newest MAX_REQUESTS requests, a
-time budget checked between replays; a candidate that only lowers a limit the replay of the
+time budget checked between replays, the load check's two replays excepted; a candidate that only lowers a limit the replay of the
 knobs in force never came up to is not replayed: its forecast is that replay's) and run where
 the caller runs them (in the server: a worker process at nice 19, `autopilot_worker`, whose CPU
 the engine's threads share; never the engine's thread).
@@ -50,6 +51,11 @@ BUDGET_S = 5.0  # no replay starts after this long
 # attainment; else the window does not explain its own latency (load from before it, requests
 # still in flight, a machine whose speed moved) and the rules decide alone
 CALIBRATION = 0.25
+# a cut of max_num_seqs the replays chose must also hold with the window's requests arriving this
+# many times as fast: the window shows the load that was, not the next one (benchmarks/autopilot.py
+# runs 44-49: cuts to 8 chosen on chat windows, then 35-50 s of queueing once long prompts or twice
+# the rate came)
+LOAD_GROWTH = 2.0
 # the raises tried for the limit that held queued requests (the rules' own step comes first)
 RAISES: dict[HoldCause, Callable[[int], list[int]]] = {
     HoldCause.MAX_NUM_SEQS: lambda v: [math.ceil(v * 1.5), v * 2],
@@ -211,8 +217,8 @@ def replayed(iterations: Sequence[IterationStats], requests: Sequence[RequestSta
     measured = measured_attainment(done, slo, gaps)
     started = clock()
 
-    def forecast(k: Knobs) -> tuple[Forecast, Sequence[IterationStats]]:
-        out = replay(reqs, k, cache, model, slo=slo)
+    def forecast(k: Knobs, arriving: Sequence[SimRequest] = reqs) -> tuple[Forecast, Sequence[IterationStats]]:
+        out = replay(arriving, k, cache, model, slo=slo)
         s = out.summary
         return Forecast((s.slo_met or 0) / max(1, s.num_requests), s.ttft.p99,
                         p99([max(r.itl) for r in out.results if r.ok and r.itl])), out.iterations
@@ -244,7 +250,38 @@ def replayed(iterations: Sequence[IterationStats], requests: Sequence[RequestSta
     if not tried:
         return Choice(None, f"hold: the time budget ({budget_s:g} s) ran out before any candidate", prediction, True)
     choice = weigh(w, spec, base, tried, prediction, headroom=model.heldout_mape)
+    if choice.move is not None and choice.move.changes.get("max_num_seqs", knobs.max_num_seqs) < knobs.max_num_seqs:
+        busier = heavier(reqs, LOAD_GROWTH)
+        try:
+            choice = load_checked(choice, knobs, lambda k: forecast(k, busier)[0])
+        except ReplayError as exc:
+            return Choice(None, f"hold: the simulation failed ({exc})", prediction, True)
     return replace(or_stall_cut(choice, iterations, knobs, spec, fixed), simulated=True)
+
+
+def heavier(reqs: Sequence[SimRequest], factor: float) -> list[SimRequest]:
+    """The same requests arriving `factor` times as fast (arrivals and cancellations compressed)."""
+    return [replace(r, arrival=r.arrival / factor, cancel_at=None if r.cancel_at is None else r.cancel_at / factor)
+            for r in reqs]
+
+
+def load_checked(choice: Choice, knobs: Knobs, forecast: Callable[[Knobs], Forecast]) -> Choice:
+    """`choice` (a cut of max_num_seqs), or a hold when, with the window's requests arriving
+    LOAD_GROWTH times as fast (`forecast`: a replay of those), the cut is predicted to keep MARGIN
+    fewer of them within the targets than the knobs in force: a limit the next load outgrows
+    queues it for as long as it lasts. The two forecasts join the choice's prediction."""
+    assert choice.move is not None
+    before, after = forecast(knobs), forecast(knobs.with_changes(choice.move.changes))
+    if choice.prediction is not None:
+        choice.prediction["load_check"] = {"growth": LOAD_GROWTH, "before": asdict(before), "after": asdict(after)}
+    if after.attainment >= before.attainment - MARGIN:
+        return choice
+    now = knobs.as_dict()
+    cut = ", ".join(f"{name} {now[name]}→{value}" for name, value in choice.move.changes.items())
+    return Choice(None, f"hold: {cut} barred: with the window's requests arriving {LOAD_GROWTH:g}x "
+                        f"as fast the replay predicts {after.attainment:.0%} of them within the targets against "
+                        f"{before.attainment:.0%} with the knobs in force (a cut the next load would outgrow)",
+                  choice.prediction)
 
 
 def or_stall_cut(choice: Choice, iterations: Sequence[IterationStats], knobs: Knobs, spec: Spec,
