@@ -17,8 +17,8 @@ from appliance.engine import Knobs
 from appliance.engine.knobs import KnobState, KnobUpdate
 from appliance.records import ITERATION_METRICS, HoldCause, IterationStats, RequestStats
 from appliance.server.autopilot import FOLLOW_UP_S, SOURCE, Autopilot
-from appliance.server.autopilot_choice import (LOAD_GROWTH, MARGIN, USED, Choice, Forecast, heavier, load_checked,
-                                              never_reached, pick)
+from appliance.server.autopilot_choice import (LOAD_GROWTH, MARGIN, USED, Choice, Forecast, candidates, heavier,
+                                              load_checked, never_reached, pick)
 from appliance.server.autopilot_policy import (DecodeGaps, Move, SpecError, WindowStats, decide, parse_spec, window_stats,
                                                worst_gaps)
 from appliance.sim.fit import MIN_ROWS, EngineKey, StepTimeModel
@@ -158,9 +158,9 @@ def test_itl_over_target_with_prefill_in_steps_halves_the_chunk():
     ap.tick(1012.0)
     assert engine.knobs.long_prefill_token_threshold == 64
     feed(ap, 1013.0, ttft=0.2, itl=0.2, prefill=256)
-    # the chunk is at its bound: the rules do not cut max_num_seqs blindly beside prefill chunks
-    # (whether fewer decode rows would bring the stalled steps under the target is the step-time
-    # model's call, and a limit cut at light load is one the next load outgrows)
+    # the chunk is at its bound, and every step carried a chunk: the decode rows did not stall by
+    # themselves, so the rules do not cut max_num_seqs (whether fewer rows beside a chunk would
+    # bring those steps under the target is the step-time model's call)
     assert ap.tick(1024.0) is None
     assert engine.knobs.long_prefill_token_threshold == 64 and engine.knobs.max_num_seqs == 64
 
@@ -171,9 +171,23 @@ def test_an_itl_cut_of_max_num_seqs_never_goes_under_the_mean_that_ran(peak, mea
     # a quarter under the peak that ran, but never under the sequences the window ran on average
     # (rounded up): fewer would serve less than the window asked, and the queue would grow; a
     # limit at or over the peak changes nothing, so no move
-    w = WindowStats(10, 0.2, 0.2, dict.fromkeys(HoldCause, 0.0), 0.3, 0.0, peak, mean)
+    w = WindowStats(10, 0.2, 0.2, dict.fromkeys(HoldCause, 0.0), 0.3, 0.0, peak, mean, decode_wait_p99=0.2)
     move = decide(w, Knobs(max_num_seqs=64), parse_spec("ttft_p99=1s,itl_p99=50ms"))
     assert (move and move.changes) == ({"max_num_seqs": cut} if cut else None)
+
+
+@pytest.mark.parametrize("prefill_share, decode_wait, cut", [(0.3, 0.04, False), (0.3, None, False), (0.3, 0.08, True),
+                                                              (0.0, 0.08, True)])
+def test_itl_cuts_max_num_seqs_only_when_the_decode_rows_stall_by_themselves(prefill_share, decode_wait, cut):
+    # the chunk at its bound and ITL p99 200 ms over a 50 ms target: when the steps without a
+    # prefill chunk kept their rows within the target (or there were none), the chunk steps made
+    # the stalls and fewer rows are not the rules' answer; when those steps missed it, they are
+    w = WindowStats(10, 0.2, 0.2, dict.fromkeys(HoldCause, 0.0), 0.3, prefill_share, 12, 6.0, decode_wait)
+    spec = parse_spec("ttft_p99=1s,itl_p99=50ms,long_prefill_token_threshold=64..512")
+    knobs = Knobs(max_num_seqs=64, long_prefill_token_threshold=64)
+    move = decide(w, knobs, spec)
+    assert (move and move.changes) == ({"max_num_seqs": 9} if cut else None)
+    assert any(m.changes.get("max_num_seqs") for m in candidates(w, knobs, spec)) == cut
 
 
 def test_itl_over_target_lowers_max_num_seqs_below_what_actually_ran():

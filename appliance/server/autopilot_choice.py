@@ -101,10 +101,10 @@ def candidates(w: WindowStats, knobs: Knobs, spec: Spec, last_raise: Mapping[str
     whole set; at most MAX_CANDIDATES. Unlike the rules alone, an ITL over target also tries
     halving the token budget and the concurrent partial prefills (with several prompts prefilling
     at once, those, not the chunk, bound a step's size), the chunk at a quarter (a stall
-    several times the target needs more than one halving) and a lower max_num_seqs even beside
-    prefill chunks (the replay weighs what the rules alone do not cut blindly), and a raise of
-    max_num_seqs is tried even with the KV cache nearly full (the replay shows whether
-    preemptions eat the gain)."""
+    several times the target needs more than one halving), and a raise of max_num_seqs is tried
+    even with the KV cache nearly full (the replay shows whether preemptions eat the gain). A
+    lower max_num_seqs is tried, as by the rules, only when the steps without prefill stall the
+    decode rows themselves (`WindowStats.decode_rows_stall`)."""
     rule = decide(w, knobs, spec, dict(last_raise or {}))
     out = [rule] if rule is not None else []
     ttft_over, itl_over = over_targets(w, spec)
@@ -122,6 +122,8 @@ def candidates(w: WindowStats, knobs: Knobs, spec: Spec, last_raise: Mapping[str
                             ("max_num_partial_prefills", max(1, k["max_num_partial_prefills"] // 2)),
                             ("long_prefill_token_threshold", max(1, chunk // 4)),
                             ("max_num_seqs", w.fewer_seqs(k["max_num_seqs"]))):
+            if name == "max_num_seqs" and not w.decode_rows_stall(spec.targets["itl_p99"]):
+                continue
             if (m := bounded_move(knobs, spec, name, value, why)) is not None:
                 out.append(m)
     unique: dict[tuple[tuple[str, int], ...], Move] = {}

@@ -8,10 +8,11 @@ fit it. Rules, in order:
   request-time (max_num_seqs only while KV usage peaks under KV_ROOM; nothing when free KV blocks
   held it: no knob here adds memory).
 - else ITL p99 over its target: halve long_prefill_token_threshold when steps carried prefill
-  chunks (smaller chunks bound the stall); with the chunk at its bound, nothing (whether fewer
-  decode rows beside a chunk bring the stalled step under the target is the step-time model's
-  call: autopilot_stalls); when no step carried a chunk, lower max_num_seqs (below the most that
-  ran, never under the mean that ran: `seqs_demand`).
+  chunks (smaller chunks bound the stall); else, when the steps that carried no chunk kept their
+  decode rows past the target themselves (their waits' p99), lower max_num_seqs (below the most
+  that ran, never under the mean that ran: `seqs_demand`). Stalls that only the chunk steps
+  make are not the decode rows' doing: whether fewer rows beside a chunk bring such a step under
+  the target is the step-time model's call (autopilot_stalls).
 - else both under RELAX x target: give back the most recent raise, one step at a time.
 Each move stays inside the operator's bounds and is checked as a whole knob set.
 """
@@ -131,6 +132,7 @@ class WindowStats:
     prefill_step_share: float  # share of steps that carried prefill chunks
     running_peak: int = 0  # the most sequences any iteration ran
     running_mean: float = 0.0  # the sequences running, averaged over the iterations' time
+    decode_wait_p99: float | None = None  # p99 of the waits of decode steps that carried no prefill
 
     def fewer_seqs(self, max_num_seqs: int) -> int:
         """max_num_seqs cut by a quarter from what actually ran (lowering a limit the window never
@@ -139,6 +141,11 @@ class WindowStats:
         base = self.running_peak if 0 < self.running_peak < max_num_seqs else max_num_seqs
         cut = max(1, math.floor(base * 0.75), seqs_demand(self.running_mean))
         return cut if cut < base else max_num_seqs
+
+    def decode_rows_stall(self, itl_target: float) -> bool:
+        """Whether the steps that carried no prefill kept their decode rows past `itl_target`
+        (their waits' p99): then the rows themselves, not a chunk beside them, make the stalls."""
+        return self.decode_wait_p99 is not None and self.decode_wait_p99 > itl_target
 
 
 def seqs_demand(running_mean: float) -> int:
@@ -202,7 +209,7 @@ def window_stats(iterations: Sequence[IterationStats], requests: Sequence[Reques
     gaps = DecodeGaps.of(iterations) if gaps is None else gaps
     return WindowStats(len(requests), p99(ttft), p99(worst_gaps(requests, gaps)), held, kv,
                        prefill / len(iterations) if iterations else 0.0, max((it.running for it in iterations), default=0),
-                       running_mean(iterations))
+                       running_mean(iterations), p99([wait for it, wait in decode_waits(iterations) if not it.prefill_tokens]))
 
 
 def p99(values: Sequence[float]) -> float | None:
@@ -260,12 +267,17 @@ def decide(w: WindowStats, knobs: Knobs, spec: Spec, last_raise: dict[str, int] 
     if itl_over:
         why = f"ITL p99 {w.itl_p99 * 1000:.0f} ms > target {itl_t * 1000:.0f} ms"
         if w.prefill_step_share > 0:
-            # A blind cut of max_num_seqs here, at light load, was a limit the next load outgrew:
-            # runs 44-48 of benchmarks/autopilot.py cut 64→8 four times by this rule alone (each
-            # saving a few ms of a 170-300 ms chunk step), then queued for 35-50 s.
-            return bounded_move(knobs, spec, "long_prefill_token_threshold", max(1, k["long_prefill_token_threshold"] // 2),
+            move = bounded_move(knobs, spec, "long_prefill_token_threshold", max(1, k["long_prefill_token_threshold"] // 2),
                                 f"{why}; {w.prefill_step_share:.0%} of steps carried prefill chunks")
-        return bounded_move(knobs, spec, "max_num_seqs", w.fewer_seqs(k["max_num_seqs"]), why)
+            if move is not None:
+                return move
+        if not w.decode_rows_stall(itl_t):
+            # only the chunk steps stall: a cut of max_num_seqs takes ~2 ms a row off a 170-300 ms
+            # chunk step here, and the next load outgrows it (benchmarks/autopilot.py runs 44-50:
+            # every cut to 8 made on a chat window queued the long prompts for 35-50 s)
+            return None
+        return bounded_move(knobs, spec, "max_num_seqs", w.fewer_seqs(k["max_num_seqs"]),
+                            f"{why}; decode-only steps' waits p99 {w.decode_wait_p99 * 1000:.0f} ms")
     relaxed = all(w_v is None or t is None or w_v < RELAX * t for w_v, t in ((w.ttft_p99, ttft_t), (w.itl_p99, itl_t)))
     if relaxed and last_raise:
         name, before = next(iter(last_raise.items()))
