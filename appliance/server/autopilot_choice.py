@@ -3,9 +3,9 @@ operator's bounds); the what-if simulator, fitted on the window's own iterations
 window's finished requests under the knobs in force and under each candidate; the candidate with
 the best predicted SLO attainment is chosen only if it beats the knobs in force by a margin
 (hysteresis); a chosen cut of max_num_seqs must also hold against the knobs in force with the
-window's requests arriving twice as fast (`load_checked`). Too few iterations to fit, or a replay of the knobs in force that misses the
-attainment measured on the same requests by more than CALIBRATION: the rules alone decide (the
-reason says so). A replay that cannot run: hold.
+window's requests arriving twice as fast (`load_checked`). Too few iterations to fit, or a
+replay of the knobs in force that misses the attainment measured on the same requests by more
+than CALIBRATION: the rules alone decide (the reason says so). A replay that cannot run: hold.
 
 Before any replay (`without_replay`, milliseconds: a step-time fit at most): too few finished
 requests to replay, a prefill stall the iterations show, or one the step-time model foresees
@@ -16,11 +16,11 @@ no candidate move: hold. A raise of the prompts prefilled at once that the step-
 foresees stalling decode rows past the ITL target is barred (autopilot_stalls.raise_stalls),
 from the replayed candidates and from the rules' move alike. A replay that ends in a hold leaves
 the choice to the stall answer when the window's prefill steps stalled (`or_stall_cut`).
-Replays (`replayed`) are bounded (the newest MAX_REQUESTS requests, a
-time budget checked between replays, the load check's two replays excepted; a candidate that only lowers a limit the replay of the
-knobs in force never came up to is not replayed: its forecast is that replay's) and run where
-the caller runs them (in the server: a worker process at nice 19, `autopilot_worker`, whose CPU
-the engine's threads share; never the engine's thread).
+Replays (`replayed`) are bounded (the newest MAX_REQUESTS requests, a time budget checked
+between replays, the load check's two excepted; a candidate that only lowers a limit the replay
+of the knobs in force never came up to is not replayed: its forecast is that replay's) and run
+where the caller runs them (in the server: a worker process at nice 19, `autopilot_worker`,
+whose CPU the engine's threads share; never the engine's thread).
 """
 
 from __future__ import annotations
@@ -53,8 +53,9 @@ BUDGET_S = 5.0  # no replay starts after this long
 CALIBRATION = 0.25
 # a cut of max_num_seqs the replays chose must also hold with the window's requests arriving this
 # many times as fast: the window shows the load that was, not the next one (benchmarks/autopilot.py
-# runs 44-49: cuts to 8 chosen on chat windows, then 35-50 s of queueing once long prompts or twice
-# the rate came)
+# runs 45-50: eleven cuts to 8 made at light load, each outgrown when the long prompts came; in run
+# 50 this check passed both, twice the chat rate being served by 8, and since run 51 such cuts are
+# only tried where decode-only steps stall: WindowStats.decode_rows_stall)
 LOAD_GROWTH = 2.0
 # the raises tried for the limit that held queued requests (the rules' own step comes first)
 RAISES: dict[HoldCause, Callable[[int], list[int]]] = {

@@ -207,9 +207,10 @@ def window_stats(iterations: Sequence[IterationStats], requests: Sequence[Reques
     kv = max((it.kv_blocks_used / it.kv_blocks_total for it in iterations if it.kv_blocks_total), default=0.0)
     prefill = sum(1 for it in iterations if it.prefill_tokens > 0)
     gaps = DecodeGaps.of(iterations) if gaps is None else gaps
+    decode_only = [wait for it, wait in decode_waits(iterations) if not it.prefill_tokens]
     return WindowStats(len(requests), p99(ttft), p99(worst_gaps(requests, gaps)), held, kv,
                        prefill / len(iterations) if iterations else 0.0, max((it.running for it in iterations), default=0),
-                       running_mean(iterations), p99([wait for it, wait in decode_waits(iterations) if not it.prefill_tokens]))
+                       running_mean(iterations), p99(decode_only))
 
 
 def p99(values: Sequence[float]) -> float | None:
@@ -273,8 +274,8 @@ def decide(w: WindowStats, knobs: Knobs, spec: Spec, last_raise: dict[str, int] 
                 return move
         if not w.decode_rows_stall(itl_t):
             # only the chunk steps stall: a cut of max_num_seqs takes ~2 ms a row off a 170-300 ms
-            # chunk step here, and the next load outgrows it (benchmarks/autopilot.py runs 44-50:
-            # every cut to 8 made on a chat window queued the long prompts for 35-50 s)
+            # chunk step on a 2-core CPU, and the next load outgrows it (benchmarks/autopilot.py
+            # runs 45-50: all eleven cuts to 8 were raised back while TTFT p99 reached 9-33 s)
             return None
         return bounded_move(knobs, spec, "max_num_seqs", w.fewer_seqs(k["max_num_seqs"]),
                             f"{why}; decode-only steps' waits p99 {w.decode_wait_p99 * 1000:.0f} ms")
