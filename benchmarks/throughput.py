@@ -23,13 +23,13 @@ cold, run well under the hot 512-row rate) and the rest of the engine's.
 from __future__ import annotations
 
 import argparse
-import bisect
 import contextlib
 import inspect
 import json
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from appliance.engine import EngineConfig, Knobs, LLMEngine, SamplingParams
@@ -258,16 +258,9 @@ def matmul_bound(linears: list[PackedLinear], steps: list[tuple[int, int]], devi
 
         body_s, head_s = pass_times(body), pass_times([head])
 
-    def at(times: list[float], rows: int) -> float:
-        if rows <= 0:
-            return 0.0
-        i = bisect.bisect_left(grid, rows)  # grid starts at 1 row and ends at the widest step
-        if grid[i] == rows:
-            return times[i]
-        lo, hi = grid[i - 1], grid[i]
-        return times[i - 1] + (times[i] - times[i - 1]) * (rows - lo) / (hi - lo)
-
-    return sum(at(body_s, rows) + at(head_s, sampled) for rows, sampled in steps)
+    forwarded, sampled = zip(*steps)
+    at = [0, *grid]  # no rows, no time
+    return float(np.interp(forwarded, at, [0.0, *body_s]).sum() + np.interp(sampled, at, [0.0, *head_s]).sum())
 
 
 def weight_pass_seconds(loaded) -> float:
