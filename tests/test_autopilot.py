@@ -68,13 +68,17 @@ class Engine:
         return change
 
 
+UNBOUNDED_S = 600.0
+
+
 def pilot(spec: str, fixed: dict | None = None, window_s: float = 30, worker=None, **knobs) -> tuple[Autopilot, Engine]:
     """An autopilot on the scripted engine: by the rules alone, or with `fixed`, by simulation
-    (in `worker`'s process when given one)."""
+    (in `worker`'s process when given one), with a replay budget no machine's speed or load runs
+    out of (the server's 5 s cut a round short on a loaded box: its choice then depends on timing)."""
     engine = Engine(**knobs)
     ap = Autopilot(lambda: engine.state.snapshot, engine.apply, parse_spec(spec),
                    fixed=(lambda: fixed) if fixed else None, window_s=window_s, cooldown_s=10, manual_hold_s=60,
-                   worker=worker)
+                   worker=worker, replay_budget_s=UNBOUNDED_S)
     engine.sinks.append(ap)
     return ap, engine
 
@@ -391,6 +395,15 @@ def scripted_window(ap: Autopilot, knobs: Knobs, step: StepTimeModel, n: int = 6
         ap.on_request(RequestStats(str(r.index), "api", None, sent, sent, sent + r.ttft, sent + r.e2e, prompt,
                                    r.output_tokens, "length", 0, 0))
     return T0 + out.duration_s
+
+
+def test_the_replay_budget_bounds_a_round():
+    """No candidate's replay starts once the round's budget is spent: the autopilot holds."""
+    ap, engine = pilot("ttft_p99=1s,max_num_seqs=2..16", fixed=FIXED, window_s=300, max_num_seqs=2)
+    ap.replay_budget_s = 0.0
+    end = scripted_window(ap, engine.knobs, true_engine())
+    assert ap.tick(end + 1) is None and engine.knobs.max_num_seqs == 2
+    assert ap.view()["last_decision"]["reason"] == "hold: the time budget (0 s) ran out before any candidate"
 
 
 def test_simulator_raises_max_num_seqs_when_it_binds_with_kv_free():

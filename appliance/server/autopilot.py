@@ -33,7 +33,7 @@ from typing import Any
 from ..engine import StatsSink
 from ..engine.knobs import KnobConflict, KnobSnapshot
 from ..records import IterationStats, KnobChange, RequestStats
-from .autopilot_choice import replayed, without_replay
+from .autopilot_choice import BUDGET_S, replayed, without_replay
 from .autopilot_policy import MIN_REQUESTS, Choice, Move, Spec, decide, window_stats
 from .autopilot_stalls import KNOB as CHUNK
 from .autopilot_stalls import chunk_cut
@@ -63,9 +63,11 @@ class Autopilot(StatsSink):
     def __init__(self, knobs: Callable[[], KnobSnapshot], apply: Apply | None = None, spec: Spec | None = None, *,
                  fixed: Callable[[], Mapping[str, Any]] | None = None, window_s: float = WINDOW_S,
                  cooldown_s: float = COOLDOWN_S, manual_hold_s: float = MANUAL_HOLD_S,
-                 clock: Callable[[], float] = time.time, worker: ChoiceWorker | None = None):
+                 clock: Callable[[], float] = time.time, worker: ChoiceWorker | None = None,
+                 replay_budget_s: float = BUDGET_S):
         self._knobs, self._apply, self._fixed, self._clock = knobs, apply, fixed, clock
         self._worker = worker  # where simulations run (None: in the caller's thread)
+        self.replay_budget_s = replay_budget_s  # no replay of a round starts after this long
         self.spec = spec
         self.enabled = spec is not None
         self.window_s, self.cooldown_s, self.manual_hold_s = window_s, cooldown_s, manual_hold_s
@@ -229,7 +231,7 @@ class Autopilot(StatsSink):
             if (quick := without_replay(iterations, requests, knobs, spec, fixed, last_raise)) is not None:
                 return quick
             run = self._worker.replayed if self._worker is not None else replayed
-            return run(iterations, requests, knobs, spec, fixed, last_raise)
+            return run(iterations, requests, knobs, spec, fixed, last_raise, budget_s=self.replay_budget_s)
         move = decide(window_stats(iterations, requests), knobs, spec, last_raise)
         return Choice(move, move.reason if move else "hold: the rules propose nothing")
 
