@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from appliance.engine import EngineConfig, Knobs, LLMEngine, SamplingParams
+from appliance.engine import EngineConfig, Knobs, LLMEngine, SamplingParams, cpu_kernels
 from appliance.engine.fast_llama import PackedLinear
 from appliance.model_loader import load_model
 
@@ -202,10 +202,7 @@ def kernel_speed(loaded) -> tuple[float, float]:
     with torch.inference_mode():
         a = torch.randn(512, cfg.hidden_size, dtype=loaded.dtype, device=dev)
         w = torch.randn(cfg.intermediate_size, cfg.hidden_size, dtype=loaded.dtype, device=dev)
-        gemm_s = best_of(lambda: torch.nn.functional.linear(a, w), 10, dev)
-        if dev.type == "cpu":  # the engine's packed oneDNN matmuls may beat the default BLAS call
-            packed_w = PackedLinear(w)
-            gemm_s = min(gemm_s, best_of(lambda: packed_w(a), 10, dev))
+        gemm_s = min(best_of(lambda: call(a), 10, dev) for call in matmul_calls(w))
     return 2 * a.shape[0] * w.shape[0] * w.shape[1] / gemm_s, weight_pass_seconds(loaded)
 
 
@@ -265,17 +262,28 @@ def matmul_bound(linears: list[PackedLinear], steps: list[tuple[int, int]], devi
 
 def weight_pass_seconds(loaded) -> float:
     """Best time of one batch-1 matmul over every weight matrix (each streamed once from memory,
-    as a batch-1 decode step must), with the default call or, on the CPU, the engine's packed one."""
+    as a batch-1 decode step must), the fastest of `matmul_calls`."""
     model, dev = loaded.model, loaded.device
     matrices = [m.weight for m in model.model.modules() if isinstance(m, torch.nn.Linear)]
     matrices.append(model.get_input_embeddings().weight)  # the (tied) LM head
     with torch.inference_mode():
         inputs = [torch.randn(1, m.shape[1], dtype=loaded.dtype, device=dev) for m in matrices]
-        best = best_of(lambda: [torch.nn.functional.linear(x, m) for x, m in zip(inputs, matrices)], 5, dev)
-        if dev.type == "cpu":
-            packed = [PackedLinear(m) for m in matrices]
-            best = min(best, best_of(lambda: [lin(x) for x, lin in zip(inputs, packed)], 5, dev))
-    return best
+        ways = zip(*(matmul_calls(m) for m in matrices))  # each way, for every matrix
+        return min(best_of(lambda: [call(x) for x, call in zip(inputs, calls)], 5, dev) for calls in ways)
+
+
+def matmul_calls(w: torch.Tensor) -> list:
+    """Every way the engine can multiply by w (each a function of x): the default F.linear call,
+    and on the CPU oneDNN's packed matmul and, in float32, the C kernels' own GEMM."""
+    calls = [lambda x: torch.nn.functional.linear(x, w)]
+    if w.device.type == "cpu":
+        kernels = cpu_kernels.load()
+        packed = PackedLinear(w, kernels=kernels)
+        if packed.packed is not None:
+            calls.append(packed.onednn_matmul)
+        if packed.own is not None:
+            calls.append(lambda x: kernels.gemm(x, packed.own, w.shape[0]))
+    return calls
 
 
 def sync(device: torch.device) -> None:

@@ -25,6 +25,16 @@ def loaded_model():
     return load_model(TEST_MODEL, dtype="float32", device=TEST_DEVICE)
 
 
+@pytest.fixture(scope="session")
+def kernel():
+    """The engine's C kernels for the CPU, built (or taken from the cache) once."""
+    from appliance.engine import cpu_kernels
+
+    built = cpu_kernels.load()
+    assert built is not None, "the kernels must build wherever the tests run (gcc is installed there)"
+    return built
+
+
 @pytest.fixture
 def record_iterations():
     """`stats = record_iterations(engine)`: a list that fills with the engine's IterationStats."""

@@ -95,7 +95,42 @@ def test_the_forward_applies_its_timed_plain_rows_to_every_matmul(loaded_model):
     forward = fast_llama.FastLlamaForward(loaded_model.model)
     assert forward.plain_rows in (0, *fast_llama.PLAIN_ROWS_TRIED)
     assert {lin.plain_rows for lin in forward.linears()} == {forward.plain_rows}
+    assert forward.own_rows == 0 and all(lin.own is None for lin in forward.linears())  # no kernels, no own GEMM
     assert len(forward.linears()) == 4 * len(forward.layers) + 1
+
+
+@pytest.mark.parametrize("times, rows", [
+    ([1.0, 2.0, 1.0, 2.0, 1.0, 1.0, 2.0, 1.0], 128),  # the own GEMM wins (or ties) up to 128 rows
+    ([2.0, 1.0], 0),  # loses at the first count tried: the others are not tried
+])
+def test_own_rows_count_up_while_the_own_gemm_wins(kernel, times, rows):
+    linear = fast_llama.PackedLinear(torch.randn(64, 32), kernels=kernel)
+    clock = iter(times)
+
+    def timed(fns):  # runs the calls (they must work) and reports the scripted times
+        for fn in fns:
+            fn()
+        return [next(clock) for _ in fns]
+
+    assert fast_llama.faster_own_rows(linear, timed) == rows
+    assert fast_llama.faster_own_rows(fast_llama.PackedLinear(torch.randn(8, 8)), timed) == 0  # no kernels: no copy
+
+
+@pytest.mark.parametrize("own_rows", [0, 256])
+def test_prefill_and_decode_logits_match_transformers_with_or_without_the_own_gemm(loaded_model, monkeypatch, own_rows):
+    """Chunks of 64 rows and one-row steps through the C kernels' GEMM, or all through oneDNN."""
+    monkeypatch.setattr(fast_llama, "faster_own_rows", lambda linear, **_: own_rows)
+    prompt = loaded_model.tokenizer.encode("Packed twice, multiplied either way, the logits must not move at all.")
+    with torch.inference_mode():
+        reference = loaded_model.model(torch.tensor([prompt])).logits[0, -1].float()
+    for threshold in (64, 1):  # prefill in chunks of up to 64 rows, then one token a step
+        cfg = EngineConfig(dtype="float32", device="cpu", num_blocks=64, fast_forward=True, cpu_kernels=True,
+                           knobs=Knobs(max_num_batched_tokens=64, long_prefill_token_threshold=threshold))
+        engine = LLMEngine(cfg, loaded=loaded_model)
+        assert {lin.own_rows for lin in engine.runner.fast.linears()} == {own_rows}
+        got = _last_logits(engine, prompt)
+        assert torch.allclose(got, reference, atol=1e-3, rtol=1e-4), (own_rows, threshold, (got - reference).abs().max())
+        assert got.argmax() == reference.argmax()
 
 
 @pytest.mark.parametrize("plain_rows", [0, 2])
