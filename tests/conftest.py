@@ -59,12 +59,11 @@ def record_iterations():
 def make_engine(loaded_model):
     """Build an LLMEngine over the shared model with any knobs / cache size.
 
-    An engine holds about 2 GB of this process (fused and packed weight copies), and one a test leaves
-    in a reference cycle (a method patched onto its instance) lives until the next garbage
-    collection: six such engines of one hypothesis test held 4.4 GB of this process, and with the
-    fleet tests' replicas that crossed Ray's memory threshold, whose monitor then killed Serve's
-    controller again and again. So the cycles are collected before each further engine and after
-    the test."""
+    An engine holds about 2 GB of this process (fused and packed weight copies), and one a test
+    leaves in a reference cycle (a method patched onto its instance) lives until the next garbage
+    collection: six such engines of one hypothesis test held 4.4 GB, and with the fleet tests'
+    replicas that crossed Ray's memory threshold, whose monitor then killed Serve's controller
+    again and again. So the cycles are collected before each further engine and after the test."""
     import gc
 
     from appliance.engine import EngineConfig, Knobs, LLMEngine
