@@ -543,7 +543,7 @@ def test_the_simulating_autopilot_stops_when_off_and_yields_to_a_manual_change()
 
 def stalling_window(ap: Autopilot, n: int = 200, chunks: tuple[int, ...] = (256, 200, 90, 256),
                     hiccup: bool = False, t0: float = T0, fewest_rows: int = 2, jitter: float = 0.0,
-                    running: bool = False) -> float:
+                    running: bool = False, prompts: int = 1) -> float:
     """`n` back-to-back steps from `t0` of a known engine (step = 30 ms + 4 ms per decode row +
     0.5 ms per prefill token + 10 ms per prefill chunk + 1 us per context token), every 10th
     carrying one prompt's prefill chunk (of `chunks` in turn) beside 2-6 decode rows (or
@@ -551,20 +551,21 @@ def stalling_window(ap: Autopilot, n: int = 200, chunks: tuple[int, ...] = (256,
     step carries a 64-token chunk and takes 300 ms (the machine, not its composition). `jitter`:
     each step takes up to that share more or less (seeded), the spread a real machine gives the
     fit. `running`: each step records its sequences (decode rows and the prefilling prompt) as
-    running, 4.2 on average over the steps' time. Returns the last step's end."""
+    running, 4.2 on average over the steps' time. `prompts`: each prefill step carries that many
+    prompts' chunks, each of the chunk's size. Returns the last step's end."""
     t = t0
     rng = random.Random(1)
     for i in range(n):
-        rows, prefill = fewest_rows + (i // 3) % 5, (0 if i % 10 else chunks[(i // 10) % len(chunks)])
+        rows, prefill = fewest_rows + (i // 3) % 5, (0 if i % 10 else prompts * chunks[(i // 10) % len(chunks)])
         ctx = 1000 + 10 * i
-        duration = 0.03 + 0.004 * rows + 0.0005 * prefill + 0.01 * (prefill > 0) + 1e-6 * ctx
+        duration = 0.03 + 0.004 * rows + 0.0005 * prefill + 0.01 * prompts * (prefill > 0) + 1e-6 * ctx
         duration *= 1 + jitter * rng.uniform(-1.0, 1.0)
         if hiccup and i == n // 2:
             prefill, duration = 64, 0.3
         base = {m.name: 0 for m in ITERATION_METRICS}
         base.update(started_at=t, duration_s=duration, policy="continuous", kv_blocks_total=100, decode_seqs=rows,
-                    decode_tokens=rows, prefill_seqs=int(prefill > 0), prefill_tokens=prefill, decode_context_tokens=ctx,
-                    running=(rows + int(prefill > 0)) if running else 0)
+                    decode_tokens=rows, prefill_seqs=prompts * (prefill > 0), prefill_tokens=prefill,
+                    decode_context_tokens=ctx, running=(rows + prompts * (prefill > 0)) if running else 0)
         ap.on_iteration(IterationStats(**base))
         t += duration
     for i in range(2):
@@ -719,6 +720,30 @@ def test_a_stall_with_the_chunk_at_its_bound_cuts_max_num_seqs_as_far_as_needed(
         assert predicted[str(seqs - 1)] <= itl_ms / 1000 < predicted["5"]
     decided = ap.view()["last_decision"]
     assert ap.tick(end + 3) is None and ap.view()["last_decision"] == decided  # one such fit per cooldown
+
+
+@pytest.mark.parametrize("bounds, prompts", [("", 1), (",max_num_partial_prefills=2..4", None)])
+def test_a_stall_of_several_prompts_chunks_at_the_chunks_bound_cuts_the_prompts_prefilled_at_once(bounds, prompts):
+    # two 64-token chunks beside up to 6 decode rows take up to 141 ms (30 ms + 4 ms per row + 64
+    # ms for the tokens + 10 ms per chunk, and context); one chunk, 99 ms: the chunk cannot go
+    # lower, so fewer prompts' chunks in a step is the move (a prompt's last chunk and the next
+    # prompt's first no longer ride together), before any cut of max_num_seqs; with the limit's
+    # lower bound at 2 it does not move (max_num_seqs may)
+    ap, engine = pilot(f"ttft_p99=5s,itl_p99=125ms,long_prefill_token_threshold=64..512{bounds}", fixed=FIXED,
+                       window_s=300, long_prefill_token_threshold=64, max_num_seqs=64, max_num_partial_prefills=4)
+    end = stalling_window(ap, chunks=(64,), prompts=2)
+    move = ap.tick(end + 1)
+    if prompts is None:
+        assert engine.knobs.max_num_partial_prefills == 4
+        assert move is None or "max_num_partial_prefills" not in move.changes
+        return
+    assert move is not None and move.changes == {"max_num_partial_prefills": prompts}
+    assert engine.knobs.max_num_partial_prefills == prompts
+    last = ap.view()["moves"][-1]
+    assert last["reason"].startswith(f"max_num_partial_prefills 4→{prompts}: ")
+    assert "the chunk is at its bound" in last["reason"]
+    predicted = last["prediction"]["predicted_wait_s"]
+    assert predicted[str(prompts)] <= 0.125 < predicted["2"]
 
 
 @pytest.mark.parametrize("itl_ms, seqs", [(125, 5), (115, None)])

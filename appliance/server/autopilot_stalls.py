@@ -9,20 +9,23 @@ that at once, long before five requests have finished. The chunk (long_prefill_t
 bounds those steps: the step-time model fitted on the window's own iterations predicts the
 stalled step of the heaviest composition again with its prefill chunks capped at each halving of
 the chunk, at the 99th percentile of the fit's own spread (the target is a p99), and the largest
-chunk predicted under the target with the model's held-out error to spare is the move. Stalls
-the model does not predict from their steps' composition, at a tail of its spread that one slow
-step cannot set (the machine, not the chunk), or that no chunk down to the operator's lower bound
-(and never under one KV block) brings under the target even at the median of the fit's spread,
-move nothing here (a bound kept at the median only is still the cut). With the chunk already
-at that floor, the decode rows beside it bound the stalled step: the largest max_num_seqs under
-which the model predicts it under the target is the move (`seqs_cut`; benchmarks/autopilot.py run
-37: with 64-token chunks and up to 16 sequences running, 58 prefill steps in 30 s of long prompts
-kept decode rows past 150 ms; the best fixed setting, 8 sequences, 13), but never under the
-sequences the window ran on average (`seqs_demand`: fewer would let the queue grow). Such a
-window is not even fitted when no max_num_seqs under what the stalled steps ran is left above
-both that mean and the operator's lower bound (the fit is tens of milliseconds of Python in the
-server's process, which the engine's thread then waits on for the GIL), and a fit at the floor
-is spaced out like a replay.
+chunk predicted under the target with the model's held-out error to spare is the move. Stalls the
+model does not predict from their steps' composition, at a tail of its spread that one slow step
+cannot set (the machine, not the chunk), or that no chunk down to the operator's lower bound (and
+never under one KV block) brings under the target even at the median of the fit's spread, move
+nothing here (a bound kept at the median only is still the cut). With the chunk already at that
+floor, a stalled step that carried several prompts' chunks (a prompt's last chunk and the next
+prompt's first ride together) is bounded by their number: max_num_partial_prefills is cut as the
+chunk would be (`prefills_cut`). Else the decode rows beside it bound the stalled step: the
+largest max_num_seqs under which the model predicts it under the target is the move (`seqs_cut`;
+benchmarks/autopilot.py run 37: with 64-token chunks and up to 16 sequences running, 58 prefill
+steps in 30 s of long prompts kept decode rows past 150 ms; the best fixed setting, 8 sequences,
+13), but never under the sequences the window ran on average (`seqs_demand`: fewer would let the
+queue grow). Such a window is not even fitted when no max_num_seqs under what the stalled steps
+ran is left above both that mean and the operator's lower bound, nor a limit on the prompts
+prefilled at once under the most they carried (the fit is tens of milliseconds of Python in the
+server's process, which the engine's thread then waits on for the GIL), and a fit at the floor is
+spaced out like a replay.
 
 The model also sees a stall coming (`foresight`): once the window has priced prefill tokens, a
 whole chunk beside the most decode rows the window has run is predicted; a chunk whose step
@@ -50,7 +53,8 @@ from .autopilot_policy import Choice, Move, Spec, bounded_move, decode_waits, ru
 
 KNOB = "long_prefill_token_threshold"
 SEQS = "max_num_seqs"
-PREFILLS_AT_ONCE = ("max_num_partial_prefills", "max_long_partial_prefills")
+PREFILLS = "max_num_partial_prefills"
+PREFILLS_AT_ONCE = (PREFILLS, "max_long_partial_prefills")
 TAIL = 0.99  # the quantile of the fit's spread a stall is predicted at (the target is a p99)
 MEDIAN = 0.5  # ...and a stall foreseen, before any has happened
 MIN_PREFILL_STEPS = 3  # a window prices prefill tokens once this many of its steps carried some
@@ -86,8 +90,10 @@ def chunk_cut(iterations: Sequence[IterationStats], knobs: Knobs, spec: Spec, fi
            f"(ITL target {target * 1000:.0f} ms)"
     at_floor = knobs.long_prefill_token_threshold <= floor_of(spec, fixed)
     ran = max(it.decode_seqs + it.prefill_seqs for it, _ in stalls)
+    prompts = max(it.prefill_seqs for it, _ in stalls)
     demand = seqs_demand(running_mean(iterations))
-    if at_floor and max(seqs_floor(spec), demand) >= min(knobs.max_num_seqs, ran):  # nothing to cut: no fit
+    if (at_floor and max(seqs_floor(spec), demand) >= min(knobs.max_num_seqs, ran)
+            and prefills_floor(spec, knobs) >= min(knobs.max_num_partial_prefills, prompts)):  # nothing to cut
         return Choice(None, f"hold: {seen}; the chunk is at its bound")
     try:
         model = fit_window(iterations, fixed)
@@ -107,7 +113,8 @@ def chunk_cut(iterations: Sequence[IterationStats], knobs: Knobs, spec: Spec, fi
                   f"compositions (at the tail of its spread): the stall is not the chunk's", simulated=at_floor)
     prediction = {"stalled_steps": len(stalls), "worst_wait_s": wait}
     if at_floor:
-        return seqs_cut(model, now, knobs, spec, seen, prediction, demand)
+        return prefills_cut(model, now, knobs, spec, seen, prediction) or seqs_cut(
+            model, now, knobs, spec, seen, prediction, demand)
     return deepest_needed(model, now, knobs, spec, fixed, seen, prediction)
 
 
@@ -244,6 +251,46 @@ def seqs_cut(model: StepTimeModel, step: Composition, knobs: Knobs, spec: Spec, 
                         f"(p99 of its spread)")
     return Choice(move, move.reason, prediction, simulated=True) if move else Choice(
         None, f"hold: {seen}; the chunk is at its bound and max_num_seqs at or under {seqs}", prediction, simulated=True)
+
+
+def prefills_cut(model: StepTimeModel, step: Composition, knobs: Knobs, spec: Spec, seen: str,
+                 prediction: dict[str, Any]) -> Choice | None:
+    """With the chunk at its bound, a stalled `step` that carried several prompts' chunks is
+    bounded by their number (a prompt's last chunk and the next prompt's first ride together):
+    the most prompts prefilled at once under which it keeps the ITL target at the p99 of the fit's
+    spread with the model's held-out error to spare, or else the lower bound if it keeps the
+    target at the median, as `deepest_needed` cuts the chunk (benchmarks/autopilot.py run 58: with
+    64-token chunks, steps of two chunks beside ten decode rows were predicted at 300-320 ms at the
+    median, one chunk at about 190). None: the step carried one prompt's chunk, the limit is at its
+    bound, or no limit down to there brings the step under the target even at the median."""
+    target, chunk = spec.targets["itl_p99"], knobs.long_prefill_token_threshold
+    now, floor = knobs.max_num_partial_prefills, prefills_floor(spec, knobs)
+    if min(now, step.prefill_seqs) <= floor:
+        return None
+
+    def wait(prompts: int, tail: float) -> float:
+        fewer = replace(step, prefill_seqs=prompts, prefill_tokens=min(step.prefill_tokens, prompts * chunk))
+        return wait_at(model, fewer, chunk, tail)
+
+    cut = min(now, step.prefill_seqs) - 1
+    while cut > floor and wait(cut, TAIL) * (1 + model.heldout_mape) > target:
+        cut -= 1
+    p99, median = wait(cut, TAIL), wait(cut, MEDIAN)
+    if p99 * (1 + model.heldout_mape) > target and median > target:
+        return None
+    move = bounded_move(knobs, spec, PREFILLS, cut, f"{seen}; the chunk is at its bound, and the step-time model "
+                        f"(held-out error {model.heldout_mape:.0%}) predicts {p99 * 1000:.0f} ms with {cut} prompt(s) "
+                        f"prefilled beside its decode rows ({median * 1000:.0f} ms at the median of its spread), "
+                        f"{wait(step.prefill_seqs, TAIL) * 1000:.0f} ms with {step.prefill_seqs} (p99 of its spread)")
+    prediction = {**prediction, "model_heldout_mape": model.heldout_mape, "prefill_seqs": step.prefill_seqs,
+                  "predicted_wait_s": {str(step.prefill_seqs): wait(step.prefill_seqs, TAIL), str(cut): p99}}
+    return Choice(move, move.reason, prediction, simulated=True) if move else None
+
+
+def prefills_floor(spec: Spec, knobs: Knobs) -> int:
+    """The fewest prompts prefilled at once a cut goes to: the operator's lower bound, and never
+    under max_long_partial_prefills (the limit on long ones among them)."""
+    return max(1, spec.bounds.get(PREFILLS, (1, 0))[0], knobs.max_long_partial_prefills)
 
 
 def seqs_floor(spec: Spec) -> int:
