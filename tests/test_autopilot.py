@@ -746,6 +746,23 @@ def test_a_stall_of_several_prompts_chunks_at_the_chunks_bound_cuts_the_prompts_
     assert predicted[str(prompts)] <= 0.125 < predicted["2"]
 
 
+@pytest.mark.parametrize("itl_ms, prompts", [(125, 1), (170, 2), (250, None)])
+def test_prompts_prefilled_at_once_that_the_model_foresees_stalling_decode_are_cut_before_they_do(itl_ms, prompts):
+    # one 64-token chunk per prefill step, beside up to 6 decode rows: at most 99 ms, no stall;
+    # the limit of 4 allows four whole chunks (256 tokens) beside them: 225 ms. 125 ms: only one
+    # chunk keeps it; 170 ms: two (141 ms, with the model's error to spare); 250 ms: four do
+    ap, engine = pilot(f"ttft_p99=5s,itl_p99={itl_ms}ms,long_prefill_token_threshold=64..512", fixed=FIXED,
+                       window_s=300, long_prefill_token_threshold=64, max_num_partial_prefills=4)
+    end = stalling_window(ap, chunks=(64,))
+    move = ap.tick(end + 1)
+    if prompts is None:
+        assert move is None and engine.version == 0
+        return
+    assert move is not None and move.changes == {"max_num_partial_prefills": prompts}
+    reason = ap.view()["moves"][-1]["reason"]
+    assert reason.startswith(f"max_num_partial_prefills 4→{prompts}: foreseen: 4 whole 64-token chunk(s) beside the ")
+
+
 @pytest.mark.parametrize("itl_ms, seqs", [(125, 5), (115, None)])
 def test_a_stall_cut_of_max_num_seqs_stops_at_the_sequences_the_window_ran_on_average(itl_ms, seqs):
     # as above, with each step's sequences recorded as running (4.2 on average, so 5 at the least):

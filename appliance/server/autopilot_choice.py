@@ -290,11 +290,12 @@ def load_checked(choice: Choice, knobs: Knobs, forecast: Callable[[Knobs], Forec
 def or_stall_cut(choice: Choice, iterations: Sequence[IterationStats], knobs: Knobs, spec: Spec,
                  fixed: Mapping[str, Any]) -> Choice:
     """`choice`, or, when it holds, the answer to the window's prefill stalls (`chunk_cut`: the
-    chunk, or with the chunk at its bound max_num_seqs): a replay carries only the window's
-    finished requests, not the streams still in flight that those stalls kept waiting
-    (benchmarks/autopilot.py runs 37-38: replays that never ran more than 8 sequences predicted
-    max_num_seqs 8 to change nothing while the live batch ran up to 16 beside 64-token chunks).
-    When that answer holds too, its reason joins the hold's: the decision says why neither acted."""
+    chunk, or with the chunk at its bound the prompts prefilled at once or max_num_seqs): a
+    replay carries only the window's finished requests, not the streams still in flight that
+    those stalls kept waiting (benchmarks/autopilot.py runs 37-38: replays that never ran more
+    than 8 sequences predicted max_num_seqs 8 to change nothing while the live batch ran up to
+    16 beside 64-token chunks). When that answer holds too, its reason joins the hold's: the
+    decision says why neither acted."""
     if choice.move is not None:
         return choice
     cut = chunk_cut(iterations, knobs, spec, fixed, foresee=False)

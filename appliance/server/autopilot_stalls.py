@@ -125,21 +125,25 @@ def foresight(iterations: Sequence[IterationStats], knobs: Knobs, spec: Spec, fi
     carried some), the model predicts the heaviest decode step it holds with each of its
     prefills (at least one) a whole chunk, within the token budget; if that step's decode rows
     would wait longer than the ITL target even at the median of the fit's spread, the chunk is
-    cut as a stall would cut it, before the first long prompt makes one. None: nothing foreseen."""
+    cut as a stall would cut it, before the first long prompt makes one. With the chunk at its
+    bound, the step predicted is the one the limit on prompts prefilled at once allows (that
+    many whole chunks), and that limit is cut as a stall of it would cut it (the same foresight
+    bars raising it there: `raise_stalls`). None: nothing foreseen."""
     target = spec.targets["itl_p99"]
     decoding = [it for it in iterations if it.decode_seqs > 0]
+    chunk, at_floor = knobs.long_prefill_token_threshold, knobs.long_prefill_token_threshold <= floor_of(spec, fixed)
     if (not decoding or sum(it.prefill_tokens > 0 for it in iterations) < MIN_PREFILL_STEPS
-            or knobs.long_prefill_token_threshold <= floor_of(spec, fixed)):
+            or (at_floor and knobs.max_num_partial_prefills <= prefills_floor(spec, knobs))):
         return None
     try:
         model = model or fit_window(iterations, fixed)
     except FitError:
         return None
-    chunk = knobs.long_prefill_token_threshold
 
     def with_full_chunks(it: IterationStats) -> Composition:
         c = composition_of(it.as_dict())
-        return replace(c, prefill_seqs=max(1, c.prefill_seqs),
+        prompts = knobs.max_num_partial_prefills if at_floor else max(1, c.prefill_seqs)
+        return replace(c, prefill_seqs=prompts,
                        prefill_tokens=max(c.prefill_tokens, knobs.max_num_batched_tokens - c.decode_rows))
 
     ahead = max((with_full_chunks(it) for it in decoding), key=lambda c: wait_at(model, c, chunk, MEDIAN))
@@ -148,6 +152,8 @@ def foresight(iterations: Sequence[IterationStats], knobs: Knobs, spec: Spec, fi
     seen = f"foreseen: {ahead.prefill_seqs} whole {chunk}-token chunk(s) beside the {ahead.decode_rows} decode " \
            f"rows the window has run would keep them waiting {median * 1000:.0f} ms at the median of the " \
            f"step-time model's spread (ITL target {target * 1000:.0f} ms)"
+    if at_floor:
+        return prefills_cut(model, ahead, knobs, spec, seen, {"foreseen_wait_s": median})
     return deepest_needed(model, ahead, knobs, spec, fixed, seen, {"foreseen_wait_s": median})
 
 
