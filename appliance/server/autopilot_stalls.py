@@ -33,10 +33,13 @@ would miss the target even at the median of the fit's spread is cut the same way
 first prompt that long arrives (the first chat prompts of a run price the tokens a second or two
 before the first long one stalls every stream in flight).
 
-The same foresight bars a raise of the prompts prefilled at once (`raise_stalls`): each one more
+The same model bars a raise of the prompts prefilled at once (`raise_stalls`): each one more
 puts another chunk beside the decode rows, and a raise that TTFT asks for must not buy the queued
 prompts' first tokens with a stall of every stream in flight (benchmarks/autopilot.py runs 34-35:
-max_long_partial_prefills 1→2 during the long prompts, and ITL misses all through that phase).
+max_long_partial_prefills 1→2 during the long prompts, and ITL misses all through that phase). It
+is barred unless the step it allows keeps the target at the p99 of the fit's spread with the
+held-out error to spare, as a stall cut's step must: a raise the stall answer would cut again is
+not made.
 """
 
 from __future__ import annotations
@@ -162,7 +165,10 @@ def raise_stalls(model: StepTimeModel, iterations: Sequence[IterationStats], req
     """Why `move` is barred, or None: it raises a limit on the prompts prefilled at once to n, and
     the heaviest decode step of the window with n prefill chunks beside it (each a whole chunk, or
     the window's longest prompt if shorter; within the token budget) would keep its decode rows
-    waiting past the ITL target at the median of the fit's spread."""
+    waiting past the ITL target at the p99 of the fit's spread with the model's held-out error to
+    spare: the test a stall cut of that limit passes, so that no raise is made that the stall
+    answer would cut again (benchmarks/autopilot.py run 61: a raise of max_long_partial_prefills
+    allowed at the median, 1→2, and ten seconds later the stall cut max_num_partial_prefills to 2)."""
     target = spec.targets.get("itl_p99")
     now = knobs.as_dict()
     raised = [(name, n) for name, n in move.changes.items() if name in PREFILLS_AT_ONCE and n > now[name]]
@@ -174,12 +180,12 @@ def raise_stalls(model: StepTimeModel, iterations: Sequence[IterationStats], req
     size = min(after.long_prefill_token_threshold, max(r.prompt_tokens for r in requests))
     steps = [replace(c, prefill_seqs=n, prefill_tokens=max(0, min(n * size, after.max_num_batched_tokens - c.decode_rows)))
              for c in decoding]
-    worst = max(steps, key=lambda c: wait_at(model, c, size, MEDIAN))
-    if (wait := wait_at(model, worst, size, MEDIAN)) <= target:
+    worst = max(steps, key=lambda c: wait_at(model, c, size, TAIL))
+    if (wait := wait_at(model, worst, size, TAIL)) * (1 + model.heldout_mape) <= target:
         return None
     return (f"{name} {now[name]}→{n} barred: {n} prefill chunks of {size} tokens beside the {worst.decode_rows} "
-            f"decode rows the window has run would keep them waiting {wait * 1000:.0f} ms at the median of the "
-            f"step-time model's spread (ITL target {target * 1000:.0f} ms)")
+            f"decode rows the window has run would keep them waiting {wait * 1000:.0f} ms at the p99 of the "
+            f"step-time model's spread (held-out error {model.heldout_mape:.0%}; ITL target {target * 1000:.0f} ms)")
 
 
 def wait_at(model: StepTimeModel, step: Composition, chunk: int, tail: float) -> float:
