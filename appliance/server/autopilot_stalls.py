@@ -284,18 +284,18 @@ def prefills_cut(model: StepTimeModel, step: Composition, knobs: Knobs, spec: Sp
         fewer = replace(step, prefill_seqs=prompts, prefill_tokens=min(step.prefill_tokens, prompts * chunk))
         return wait_at(model, fewer, chunk, tail)
 
-    cut = min(now, step.prefill_seqs) - 1
-    while cut > floor and wait(cut, TAIL) * (1 + model.heldout_mape) > target:
+    headroom, cut = 1 + model.heldout_mape, min(now, step.prefill_seqs) - 1
+    while cut > floor and wait(cut, TAIL) * headroom > target:
         cut -= 1
-    p99, median = wait(cut, TAIL), wait(cut, MEDIAN)
-    if p99 * (1 + model.heldout_mape) > target and median > target:
+    before, p99, median = wait(step.prefill_seqs, TAIL), wait(cut, TAIL), wait(cut, MEDIAN)
+    if p99 * headroom > target and median > target:
         return None
     move = bounded_move(knobs, spec, PREFILLS, cut, f"{seen}; the chunk is at its bound, and the step-time model "
                         f"(held-out error {model.heldout_mape:.0%}) predicts {p99 * 1000:.0f} ms with {cut} prompt(s) "
                         f"prefilled beside its decode rows ({median * 1000:.0f} ms at the median of its spread), "
-                        f"{wait(step.prefill_seqs, TAIL) * 1000:.0f} ms with {step.prefill_seqs} (p99 of its spread)")
+                        f"{before * 1000:.0f} ms with {step.prefill_seqs} (p99 of its spread)")
     prediction = {**prediction, "model_heldout_mape": model.heldout_mape, "prefill_seqs": step.prefill_seqs,
-                  "predicted_wait_s": {str(step.prefill_seqs): wait(step.prefill_seqs, TAIL), str(cut): p99}}
+                  "predicted_wait_s": {str(step.prefill_seqs): before, str(cut): p99}}
     return Choice(move, move.reason, prediction, simulated=True) if move else None
 
 
