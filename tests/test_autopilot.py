@@ -637,6 +637,26 @@ def test_a_chunk_the_step_time_model_foresees_stalling_decode_is_cut_before_it_d
     assert prediction["foreseen_wait_s"] > 0.15 >= prediction["predicted_wait_s"]["128"]
 
 
+@pytest.mark.parametrize("n, cut", [(200, True), (20, False)])
+def test_a_window_that_starts_empty_foresees_with_the_engines_steps_from_before_it(n, cut):
+    # the steps ran (64-token chunks, no stall) and left the 30 s window; a whole 256-token chunk
+    # beside one decode row would take 173 ms, one of 128 tokens 109 ms. 20 steps: only two
+    # carried prefill tokens, too few to price them
+    ap, engine = pilot("ttft_p99=5s,itl_p99=150ms", fixed=FIXED, window_s=30, long_prefill_token_threshold=256)
+    end = stalling_window(ap, n=n, chunks=(64,))
+    assert (ap.tick(end + 60) is not None) is cut
+    if not cut:
+        assert engine.version == 0
+        assert ap.view()["last_decision"]["reason"] == "hold: 0 finished request(s) in the window, at least 5 needed"
+        return
+    assert engine.knobs.long_prefill_token_threshold == 128
+    last = ap.view()["moves"][-1]
+    assert last["reason"].startswith("long_prefill_token_threshold 256→128: foreseen: 1 whole 256-token chunk(s) "
+                                     "beside one decode row would keep them waiting ")
+    assert "fitted on the engine's steps before this window" in last["reason"]
+    assert last["prediction"]["foreseen_wait_s"] > 0.15 >= last["prediction"]["predicted_wait_s"]["128"]
+
+
 def test_a_chunk_cut_still_stalled_under_is_cut_deeper_inside_the_cooldown():
     # foresight saw 2-6 decode rows and cut 256 -> 128 (141 ms beside 6 rows); then 10-14 rows
     # run, and a 128-token step beside 13 of them takes 157 ms, over the 150 ms target: the stall

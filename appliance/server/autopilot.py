@@ -51,6 +51,9 @@ COOLDOWN_S = 10.0
 FOLLOW_UP_S = 2.0
 MANUAL_HOLD_S = 60.0
 HISTORY = 50
+# the engine's latest steps of each kind (with prefill tokens, decode only) kept beyond the window:
+# they price a chunk the window has not yet (autopilot_stalls.foresight)
+KEPT_STEPS = 100
 
 # submit a change through the knob path (keywords: reason, prediction, expected_version); None: no change
 Apply = Callable[..., KnobChange | None]
@@ -77,6 +80,7 @@ class Autopilot(StatsSink):
         self.error: str | None = None  # why it turned itself off (cleared when switched on again)
         self._iterations: deque[IterationStats] = deque()
         self._requests: deque[RequestStats] = deque()
+        self._kept = {True: deque(maxlen=KEPT_STEPS), False: deque(maxlen=KEPT_STEPS)}  # by "carried prefill"
         self._lock = threading.Lock()
         self._last_move_at = float("-inf")
         self._last_sim_at = float("-inf")  # replays cost CPU beside the engine: one round per cooldown
@@ -99,6 +103,7 @@ class Autopilot(StatsSink):
         explain), outside the cooldown. Cheap: a few comparisons in the engine's thread."""
         with self._lock:
             self._iterations.append(stats)
+            self._kept[stats.prefill_tokens > 0].append(stats)
             spec = self.spec
             stall = (spec is not None and stats.prefill_tokens > 0
                      and stats.duration_s > spec.targets.get("itl_p99", float("inf")))
@@ -125,8 +130,9 @@ class Autopilot(StatsSink):
 
     # -- control --------------------------------------------------------------------------------
     def configure(self, enabled: bool | None = None, spec: Spec | None = None) -> None:
-        """Switch on/off and/or replace the spec; switching on needs a spec, and starts the
-        simulations' worker."""
+        """Switch on/off and/or replace the spec; switching on needs a spec, starts the
+        simulations' worker and wakes the thread for a first decision (foresight may cut the
+        chunk before the first prompt stalls a stream)."""
         with self._lock:
             if spec is not None:
                 self.spec = spec
@@ -139,6 +145,7 @@ class Autopilot(StatsSink):
                     self.error = None
         if enabled:
             self._start_worker()
+            self._wake.set()
 
     def view(self) -> dict[str, Any]:
         with self._lock:
@@ -167,6 +174,7 @@ class Autopilot(StatsSink):
                 if follow_up:
                     self._follow_up_at = now
                 iterations, requests = list(self._iterations), list(self._requests)
+                kept = sorted([*self._kept[True], *self._kept[False]], key=lambda it: it.started_at)
                 seq, spec = self._manual_seq, self.spec
                 # a raise is given back only once a whole window has been read under it (hysteresis:
                 # a burst that ends just after a raise does not undo it ten seconds later)
@@ -178,7 +186,7 @@ class Autopilot(StatsSink):
                 if choice is None:
                     return None
             else:
-                choice = self._choose(iterations, requests, snap.knobs, spec, last_raise)
+                choice = self._choose(iterations, requests, snap.knobs, spec, last_raise, kept)
             with self._lock:
                 if choice.move is None and choice.reason != (self.last_decision or {}).get("reason"):
                     log.info("autopilot: %s", choice.reason)  # a hold, logged when its reason changes
@@ -221,14 +229,15 @@ class Autopilot(StatsSink):
             return None
 
     def _choose(self, iterations: list[IterationStats], requests: list[RequestStats], knobs: Any, spec: Spec,
-                last_raise: dict[str, int]) -> Choice:
-        """By simulation when the engine's fixed settings are known, else by the rules alone."""
+                last_raise: dict[str, int], kept: list[IterationStats]) -> Choice:
+        """By simulation when the engine's fixed settings are known, else by the rules alone
+        (`kept`: the engine's latest steps, beyond the window)."""
         if self._fixed is not None:
             # what needs no replay (a step-time fit at most, milliseconds) is decided here, where a
             # worker at nice 19 beside a busy engine would wait most of a second for the CPU
             # (benchmarks/autopilot.py run 22: the foreseen cut came just after the first stall)
             fixed = self._fixed()
-            if (quick := without_replay(iterations, requests, knobs, spec, fixed, last_raise)) is not None:
+            if (quick := without_replay(iterations, requests, knobs, spec, fixed, last_raise, kept)) is not None:
                 return quick
             run = self._worker.replayed if self._worker is not None else replayed
             return run(iterations, requests, knobs, spec, fixed, last_raise, budget_s=self.replay_budget_s)

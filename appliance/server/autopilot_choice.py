@@ -170,15 +170,17 @@ def measured_attainment(done: Sequence[RequestStats], slo: SLO, gaps: DecodeGaps
 
 
 def without_replay(iterations: Sequence[IterationStats], requests: Sequence[RequestStats], knobs: Knobs, spec: Spec,
-                   fixed: Mapping[str, Any], last_raise: Mapping[str, int] | None = None) -> Choice | None:
+                   fixed: Mapping[str, Any], last_raise: Mapping[str, int] | None = None,
+                   kept: Sequence[IterationStats] = ()) -> Choice | None:
     """The choice that needs no replay (milliseconds: a step-time fit at most), or None when
     the window's replay decides: too few finished requests (a stall, seen or foreseen, cuts the
-    chunk, else hold); with TTFT p99 within its target, a prefill stall the chunk explains cuts
+    chunk, else hold; `kept`: the engine's steps from before the window, which price a chunk the
+    window has not yet); with TTFT p99 within its target, a prefill stall the chunk explains cuts
     it (the finished requests' figures miss the streams it stalled that are still in flight);
     no candidate move (hold)."""
     w = window_stats(iterations, requests)
     if w.requests < MIN_REQUESTS:
-        return chunk_cut(iterations, knobs, spec, fixed) or Choice(
+        return chunk_cut(iterations, knobs, spec, fixed, kept=kept) or Choice(
             None, f"hold: {w.requests} finished request(s) in the window, at least {MIN_REQUESTS} needed")
     ttft_target = spec.targets.get("ttft_p99")
     ttft_kept = ttft_target is None or w.ttft_p99 is None or w.ttft_p99 <= ttft_target

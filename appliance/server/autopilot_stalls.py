@@ -27,11 +27,16 @@ prefilled at once under the most they carried (the fit is tens of milliseconds o
 server's process, which the engine's thread then waits on for the GIL), and a fit at the floor is
 spaced out like a replay.
 
-The model also sees a stall coming (`foresight`): once the window has priced prefill tokens, a
-whole chunk beside the most decode rows the window has run is predicted; a chunk whose step
-would miss the target even at the median of the fit's spread is cut the same way before the
-first prompt that long arrives (the first chat prompts of a run price the tokens a second or two
-before the first long one stalls every stream in flight).
+The model also sees a stall coming (`foresight`): a whole chunk beside the most decode rows the
+window has run (one, before any has) is predicted; a chunk whose step would miss the target even
+at the median of the fit's spread is cut the same way before the first prompt that long arrives.
+The model is the window's own once the window has priced prefill tokens, else the one fitted on
+the engine's latest steps from before it (`kept`: what a step costs is the machine's and the
+model's, whichever knobs shaped it), so that a window that starts empty (when the autopilot is
+switched on, and after each move) does not wait for the first stall to price a chunk
+(benchmarks/autopilot.py runs 59-63: the window's own fit came 3.6-4.2 s into the run, after the
+first 256-token prefill beside a stream; the autopilot's ways missed 2 requests each on ITL in
+the chat phase, the best fixed setting 0.2).
 
 The same model bars a raise of the prompts prefilled at once (`raise_stalls`): each one more
 puts another chunk beside the decode rows, and a raise that TTFT asks for must not buy the queued
@@ -77,17 +82,18 @@ def stalled_steps(iterations: Sequence[IterationStats], target: float) -> list[t
 
 
 def chunk_cut(iterations: Sequence[IterationStats], knobs: Knobs, spec: Spec, fixed: Mapping[str, Any],
-              foresee: bool = True) -> Choice | None:
+              foresee: bool = True, kept: Sequence[IterationStats] = ()) -> Choice | None:
     """The choice for a window whose prefill steps stalled decoding past the ITL target, or
     (`foresee`), when the chunk has not yet, whose chunk the step-time model foresees doing so
-    (`foresight`). `fixed`: the engine's fixed settings, which key the step-time model. None when
-    there is no ITL target, no stall and none foreseen."""
+    (`foresight`, which prices steps on `kept` when the window cannot). `fixed`: the engine's fixed
+    settings, which key the step-time model. None when there is no ITL target, no stall and none
+    foreseen."""
     target = spec.targets.get("itl_p99")
     if not target:
         return None
     stalls = stalled_steps(iterations, target)
     if not stalls:
-        return foresight(iterations, knobs, spec, fixed) if foresee else None
+        return foresight(iterations, knobs, spec, fixed, kept=kept) if foresee else None
     wait = max(w for _, w in stalls)
     seen = f"{len(stalls)} step(s) carrying prefill chunks kept decode rows waiting up to {wait * 1000:.0f} ms " \
            f"(ITL target {target * 1000:.0f} ms)"
@@ -122,39 +128,40 @@ def chunk_cut(iterations: Sequence[IterationStats], knobs: Knobs, spec: Spec, fi
 
 
 def foresight(iterations: Sequence[IterationStats], knobs: Knobs, spec: Spec, fixed: Mapping[str, Any],
-              model: StepTimeModel | None = None) -> Choice | None:
+              model: StepTimeModel | None = None, kept: Sequence[IterationStats] = ()) -> Choice | None:
     """Before the chunk has stalled decoding: it bounds the step a long prompt makes beside the
-    decode rows in flight. Once the window has priced prefill tokens (MIN_PREFILL_STEPS steps
-    carried some), the model predicts the heaviest decode step it holds with each of its
-    prefills (at least one) a whole chunk, within the token budget; if that step's decode rows
-    would wait longer than the ITL target even at the median of the fit's spread, the chunk is
-    cut as a stall would cut it, before the first long prompt makes one. With the chunk at its
-    bound, the step predicted is the one the limit on prompts prefilled at once allows (that
-    many whole chunks), and that limit is cut as a stall of it would cut it (the same foresight
-    bars raising it there: `raise_stalls`). None: nothing foreseen."""
+    decode rows in flight. The model (`model`, else the window's own fit once MIN_PREFILL_STEPS
+    of its steps carried prefill tokens, else one on the engine's `kept` steps from before the
+    window) predicts the heaviest decode step the window holds (one decode row, before it holds
+    any) with each of its prefills (at least one) a whole chunk, within the token budget; if that
+    step's decode rows would wait longer than the ITL target even at the median of the fit's
+    spread, the chunk is cut as a stall would cut it, before the first long prompt makes one.
+    With the chunk at its bound, the step predicted is the one the limit on prompts prefilled at
+    once allows (that many whole chunks), and that limit is cut as a stall of it would cut it (the
+    same foresight bars raising it there: `raise_stalls`). None: nothing foreseen."""
     target = spec.targets["itl_p99"]
-    decoding = [it for it in iterations if it.decode_seqs > 0]
     chunk, at_floor = knobs.long_prefill_token_threshold, knobs.long_prefill_token_threshold <= floor_of(spec, fixed)
-    if (not decoding or sum(it.prefill_tokens > 0 for it in iterations) < MIN_PREFILL_STEPS
-            or (at_floor and knobs.max_num_partial_prefills <= prefills_floor(spec, knobs))):
+    if at_floor and knobs.max_num_partial_prefills <= prefills_floor(spec, knobs):
         return None
-    try:
-        model = model or fit_window(iterations, fixed)
-    except FitError:
+    own = model or priced(iterations, fixed)
+    if (model := own or priced(kept, fixed)) is None:
         return None
+    decoding = [composition_of(it.as_dict()) for it in iterations if it.decode_seqs > 0]
 
-    def with_full_chunks(it: IterationStats) -> Composition:
-        c = composition_of(it.as_dict())
+    def with_full_chunks(c: Composition) -> Composition:
         prompts = knobs.max_num_partial_prefills if at_floor else max(1, c.prefill_seqs)
         return replace(c, prefill_seqs=prompts,
                        prefill_tokens=max(c.prefill_tokens, knobs.max_num_batched_tokens - c.decode_rows))
 
-    ahead = max((with_full_chunks(it) for it in decoding), key=lambda c: wait_at(model, c, chunk, MEDIAN))
+    ahead = max(map(with_full_chunks, decoding or [Composition(1, 0, 0, chunk)]),
+                key=lambda c: wait_at(model, c, chunk, MEDIAN))
     if (median := wait_at(model, ahead, chunk, MEDIAN)) <= target:
         return None
-    seen = f"foreseen: {ahead.prefill_seqs} whole {chunk}-token chunk(s) beside the {ahead.decode_rows} decode " \
-           f"rows the window has run would keep them waiting {median * 1000:.0f} ms at the median of the " \
-           f"step-time model's spread (ITL target {target * 1000:.0f} ms)"
+    beside = f"the {ahead.decode_rows} decode rows the window has run" if decoding else "one decode row"
+    fitted = "" if own else ", fitted on the engine's steps before this window"
+    seen = f"foreseen: {ahead.prefill_seqs} whole {chunk}-token chunk(s) beside {beside} would keep them waiting " \
+           f"{median * 1000:.0f} ms at the median of the step-time model's spread{fitted} (ITL target " \
+           f"{target * 1000:.0f} ms)"
     if at_floor:
         return prefills_cut(model, ahead, knobs, spec, seen, {"foreseen_wait_s": median})
     return deepest_needed(model, ahead, knobs, spec, fixed, seen, {"foreseen_wait_s": median})
@@ -186,6 +193,17 @@ def raise_stalls(model: StepTimeModel, iterations: Sequence[IterationStats], req
     return (f"{name} {now[name]}→{n} barred: {n} prefill chunks of {size} tokens beside the {worst.decode_rows} "
             f"decode rows the window has run would keep them waiting {wait * 1000:.0f} ms at the p99 of the "
             f"step-time model's spread (held-out error {model.heldout_mape:.0%}; ITL target {target * 1000:.0f} ms)")
+
+
+def priced(iterations: Sequence[IterationStats], fixed: Mapping[str, Any]) -> StepTimeModel | None:
+    """The step-time model fitted on `iterations` once MIN_PREFILL_STEPS of them carried prefill
+    tokens (it prices those); None before, or when they cannot be fitted."""
+    if sum(it.prefill_tokens > 0 for it in iterations) < MIN_PREFILL_STEPS:
+        return None
+    try:
+        return fit_window(iterations, fixed)
+    except FitError:
+        return None
 
 
 def wait_at(model: StepTimeModel, step: Composition, chunk: int, tail: float) -> float:
