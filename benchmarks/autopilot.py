@@ -150,16 +150,18 @@ def ttft_itl_slo(text: str) -> SLO:
 def autopilot_way(url: str, db: str, requests: list[BenchRequest], slo: SLO, name: str,
                   defaults: dict[str, int] | None = None) -> tuple[BenchmarkRun, dict]:
     """One run with the autopilot on, from the default knobs; its view (moves, latest decision) at
-    the end. `defaults`: set them first (an operator's change, which holds the autopilot for
-    manual_hold_s: waited out, as is the window, so it starts from a window of its own)."""
+    the end, with the time it was switched on (`on_at`). `defaults`: set them first (an operator's
+    change, which holds the autopilot for manual_hold_s: waited out, as is the window, so it
+    starts from a window of its own)."""
     view = httpx.get(f"{url}/admin/autopilot", timeout=30).json()
     if defaults is not None:
         patch_knobs(url, defaults)
         time.sleep(max(view["window_s"], view["manual_hold_s"]) + 1)
     spec = {"enabled": True, "spec": autopilot_spec(slo)}
+    on_at = time.time()
     httpx.patch(f"{url}/admin/autopilot", json=spec, timeout=30).raise_for_status()
     run = measure(url, db, requests, slo, name)
-    return run, httpx.patch(f"{url}/admin/autopilot", json={"enabled": False}, timeout=30).json()
+    return run, {**httpx.patch(f"{url}/admin/autopilot", json={"enabled": False}, timeout=30).json(), "on_at": on_at}
 
 
 LONG_PROMPT = 900  # the bursts' prompts (900-1000 tokens); every other prompt is at most 256
@@ -186,10 +188,10 @@ def misses(run: BenchmarkRun, requests: list[BenchRequest], slo: SLO, phase_s: f
 
 
 def print_moves(name: str, run: BenchmarkRun, view: dict) -> None:
-    moves = [m for m in view["moves"] if m["at"] >= run.load.started_at]  # the view keeps earlier runs' too
-    print(f"\n{name}: autopilot moves ({len(moves)}):")
+    moves = [m for m in view["moves"] if m["at"] >= view["on_at"]]  # the view keeps earlier runs' too
+    print(f"\n{name}: autopilot moves ({len(moves)}; seconds from the run's start, before it: after the switch-on):")
     for move in moves:
-        print(f"  +{move['at'] - run.load.started_at:6.1f} s  v{move['version']}  {move['reason']}")
+        print(f"  {move['at'] - run.load.started_at:+7.1f} s  v{move['version']}  {move['reason']}")
     if view.get("last_decision"):
         print(f"  latest decision: {view['last_decision']['reason']}")
     if view.get("error"):
