@@ -440,11 +440,12 @@ def test_simulator_holds_when_no_candidate_beats_the_knobs_in_force_by_the_margi
     assert ap.tick(end + 3) is None and ap.view()["last_decision"] == decision  # one round of replays per cooldown
 
 
-@pytest.mark.parametrize("itl_ms, chunk", [(120, 128), (100, 64)])
+@pytest.mark.parametrize("itl_ms, chunk", [(120, 160), (100, 112)])
 def test_a_chunk_cut_goes_as_deep_as_the_itl_target_needs_and_no_deeper(itl_ms, chunk):
     # 800-token prompts over other requests' decoding, prefill-heavy steps: a 256-token chunk
-    # stalls decoding ~166 ms, a 128-token one ~102 ms, a 64-token one ~73 ms. Halving and
-    # quartering are both tried; the shallower cut is taken when it keeps the target too.
+    # stalls decoding ~166 ms, a 160-token one ~118 ms, a 112-token one ~94 ms, each KV block
+    # (16 tokens) about 8 ms: every chunk down from 256 in whole blocks is tried, and the largest
+    # that keeps the target is the cut.
     ap, engine = pilot(f"ttft_p99=5s,itl_p99={itl_ms}ms,long_prefill_token_threshold=16..512", fixed=FIXED,
                        window_s=300, long_prefill_token_threshold=256, max_num_partial_prefills=4)
     end = scripted_window(ap, engine.knobs, true_engine(prefill_tokens=0.0005), n=40, rate=1.0, prompt=800,
@@ -453,8 +454,8 @@ def test_a_chunk_cut_goes_as_deep_as_the_itl_target_needs_and_no_deeper(itl_ms, 
     last = ap.view()["moves"][-1]
     assert "step(s) carrying prefill chunks kept decode rows waiting up to" in last["reason"]  # no replay needed
     predicted = {int(c): t for c, t in last["prediction"]["predicted_wait_s"].items()}
-    assert set(predicted) == {c for c in (256, 128, 64) if c >= chunk}  # halvings, until one keeps it
-    assert predicted[chunk] <= itl_ms / 1000 < min(t for c, t in predicted.items() if c > chunk)
+    assert set(predicted) == set(range(chunk, 257, 16))  # whole KV blocks, until one keeps it
+    assert predicted[chunk] <= itl_ms / 1000 < predicted[chunk + 16]
 
 
 def test_a_target_kept_by_less_than_the_models_error_does_not_count_as_kept():
@@ -594,9 +595,10 @@ def stalling_window(ap: Autopilot, n: int = 200, chunks: tuple[int, ...] = (256,
     return t
 
 
-@pytest.mark.parametrize("itl_ms, chunk", [(150, 128), (100, 64)])
+@pytest.mark.parametrize("itl_ms, chunk", [(150, 160), (100, 64)])
 def test_prefill_stalls_cut_the_chunk_before_enough_requests_finish_to_replay(itl_ms, chunk):
-    # a 256-token step with 2-5 decode rows takes 177-191 ms; with 128-token chunks 113-127 ms, with 64 81-95 ms
+    # the heaviest 256-token step (6 decode rows) keeps them waiting 191 ms, 8 ms less for each
+    # KV block (16 tokens) off its chunk: 143 ms with 160-token chunks, 95 ms with 64
     ap, engine = pilot(f"ttft_p99=5s,itl_p99={itl_ms}ms,long_prefill_token_threshold=32..256", fixed=FIXED,
                        window_s=300, long_prefill_token_threshold=256)
     end = stalling_window(ap)
@@ -606,7 +608,7 @@ def test_prefill_stalls_cut_the_chunk_before_enough_requests_finish_to_replay(it
     assert "step(s) carrying prefill chunks kept decode rows waiting up to" in last["reason"]
     predicted = last["prediction"]["predicted_wait_s"]
     assert predicted[str(chunk)] <= itl_ms / 1000 < predicted["256"]
-    assert set(predicted) == {str(c) for c in (256, 128, 64) if c >= chunk}  # halvings, until one keeps it
+    assert set(predicted) == {str(c) for c in range(chunk, 257, 16)}  # whole KV blocks, until one keeps it
 
 
 @pytest.mark.parametrize("n", [200, 30])
@@ -640,8 +642,8 @@ def test_a_chunk_the_step_time_model_foresees_stalling_decode_is_cut_before_it_d
 @pytest.mark.parametrize("n, cut", [(200, True), (20, False)])
 def test_a_window_that_starts_empty_foresees_with_the_engines_steps_from_before_it(n, cut):
     # the steps ran (64-token chunks, no stall) and left the 30 s window; a whole 256-token chunk
-    # beside one decode row would take 173 ms, one of 128 tokens 109 ms. 20 steps: only two
-    # carried prefill tokens, too few to price them
+    # beside one decode row would keep it waiting 202 ms at the median, one of 176 tokens 150 ms
+    # (160 tokens: 142). 20 steps: only two carried prefill tokens, too few to price them
     ap, engine = pilot("ttft_p99=5s,itl_p99=150ms", fixed=FIXED, window_s=30, long_prefill_token_threshold=256)
     end = stalling_window(ap, n=n, chunks=(64,))
     assert (ap.tick(end + 60) is not None) is cut
@@ -649,29 +651,29 @@ def test_a_window_that_starts_empty_foresees_with_the_engines_steps_from_before_
         assert engine.version == 0
         assert ap.view()["last_decision"]["reason"] == "hold: 0 finished request(s) in the window, at least 5 needed"
         return
-    assert engine.knobs.long_prefill_token_threshold == 128
+    assert engine.knobs.long_prefill_token_threshold == 176
     last = ap.view()["moves"][-1]
-    assert last["reason"].startswith("long_prefill_token_threshold 256→128: foreseen: 1 whole 256-token chunk(s) "
+    assert last["reason"].startswith("long_prefill_token_threshold 256→176: foreseen: 1 whole 256-token chunk(s) "
                                      "beside one decode row would keep them waiting ")
     assert "fitted on the engine's steps before this window" in last["reason"]
-    assert last["prediction"]["foreseen_wait_s"] > 0.15 >= last["prediction"]["predicted_wait_s"]["128"]
+    assert last["prediction"]["foreseen_wait_s"] > 0.15 >= last["prediction"]["predicted_wait_s"]["176"]
 
 
 def test_a_chunk_cut_still_stalled_under_is_cut_deeper_inside_the_cooldown():
     # foresight saw 2-6 decode rows and cut 256 -> 128 (141 ms beside 6 rows); then 10-14 rows
     # run, and a 128-token step beside 13 of them takes 157 ms, over the 150 ms target: the stall
-    # seen under the cut deepens it to 64 FOLLOW_UP_S on, not after the 10 s cooldown; never
-    # sooner, and only on a stall seen since the last cut
+    # seen under the cut deepens it to 112 (148 ms) FOLLOW_UP_S on, not after the 10 s cooldown;
+    # never sooner, and only on a stall seen since the last cut
     ap, engine = pilot("ttft_p99=5s,itl_p99=150ms", fixed=FIXED, window_s=300, long_prefill_token_threshold=256)
     cut_at = stalling_window(ap, chunks=(64,)) + 1
     assert ap.tick(cut_at) is not None and engine.knobs.long_prefill_token_threshold == 128
     end = stalling_window(ap, n=30, chunks=(128,), t0=cut_at + 0.1, fewest_rows=10)
     assert ap.tick(cut_at + FOLLOW_UP_S - 0.1) is None  # the first stall came at once; a deeper cut waits
     assert cut_at + FOLLOW_UP_S < end < cut_at + ap.cooldown_s - FOLLOW_UP_S
-    assert ap.tick(end) is not None and engine.knobs.long_prefill_token_threshold == 64
+    assert ap.tick(end) is not None and engine.knobs.long_prefill_token_threshold == 112
     reason = ap.view()["moves"][-1]["reason"]
-    assert reason.startswith("long_prefill_token_threshold 128→64: ") and "kept decode rows waiting up to" in reason
-    assert ap.tick(end + FOLLOW_UP_S) is None and engine.version == 2  # no stall under 64: nothing more
+    assert reason.startswith("long_prefill_token_threshold 128→112: ") and "kept decode rows waiting up to" in reason
+    assert ap.tick(end + FOLLOW_UP_S) is None and engine.version == 2  # no stall under 112: nothing more
 
 
 @pytest.mark.parametrize("itl_ms, n", [(250, 200), (150, 20)])
@@ -966,7 +968,7 @@ def test_a_window_too_small_to_replay_is_decided_without_the_worker():
         ap, engine = pilot("ttft_p99=5s,itl_p99=150ms,long_prefill_token_threshold=32..256", fixed=FIXED,
                            window_s=300, worker=worker, long_prefill_token_threshold=256)
         end = stalling_window(ap)
-        assert ap.tick(end + 1) is not None and engine.knobs.long_prefill_token_threshold == 128
+        assert ap.tick(end + 1) is not None and engine.knobs.long_prefill_token_threshold == 160
         assert worker.pid() is None  # never started
     finally:
         worker.close()

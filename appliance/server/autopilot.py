@@ -9,7 +9,7 @@ and one round of simulations (they share the CPU with serving), per `cooldown_s`
 exception that never reverses anything: a chunk cut that prefill steps under the new chunk still
 stall past the ITL target is cut deeper (the seen-stall answer, a step-time fit and no replay)
 `FOLLOW_UP_S` after it, at most once per such stall (a cut foreseen from the first few decode rows
-can be one halving short once more rows run, and ten seconds of stalls every stream in flight
+can be short once more rows run, and ten seconds of stalls every stream in flight
 misses); a knob changed
 by anyone else pauses it for `manual_hold_s` and a decision taken before that change is dropped
 (checked before applying, and by the engine itself: the move carries the knob version it was

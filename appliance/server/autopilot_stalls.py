@@ -7,9 +7,11 @@ A decode row waits for every step that also carries other prompts' prefill chunk
 step takes longer than the ITL target, every stream in flight misses it, and the iterations show
 that at once, long before five requests have finished. The chunk (long_prefill_token_threshold)
 bounds those steps: the step-time model fitted on the window's own iterations predicts the
-stalled step of the heaviest composition again with its prefill chunks capped at each halving of
-the chunk, at the 99th percentile of the fit's own spread (the target is a p99), and the largest
-chunk predicted under the target with the model's held-out error to spare is the move. Stalls the
+stalled step of the heaviest composition again with its prefill chunks capped at each smaller
+chunk in whole KV blocks, at the 99th percentile of the fit's own spread (the target is a p99),
+and the largest chunk predicted under the target with the model's held-out error to spare is the
+move (not the largest halving: a chunk cut deeper than the target needs costs every long prompt
+prefill capacity, since each step pays its fixed cost for fewer tokens). Stalls the
 model does not predict from their steps' composition, at a tail of its spread that one slow step
 cannot set (the machine, not the chunk), or that no chunk down to the operator's lower bound (and
 never under one KV block) brings under the target even at the median of the fit's spread, move
@@ -215,9 +217,9 @@ def wait_at(model: StepTimeModel, step: Composition, chunk: int, tail: float) ->
 
 def deepest_needed(model: StepTimeModel, step: Composition, knobs: Knobs, spec: Spec, fixed: Mapping[str, Any],
                    seen: str, prediction: dict[str, Any]) -> Choice:
-    """The largest halving of the chunk under which `step` keeps the ITL target at the p99 of the
-    fit's spread with the model's held-out error to spare, as the replayed choice (`pick`) counts
-    it; when none down to the bound does, the bound if it keeps the target at the median of the
+    """The largest chunk, in whole KV blocks, under which `step` keeps the ITL target at the p99
+    of the fit's spread with the model's held-out error to spare, as the replayed choice (`pick`)
+    counts it (every chunk tried is in the prediction); when none down to the bound does, the bound if it keeps the target at the median of the
     spread (most such steps would: benchmarks/autopilot.py run 42 held a 256-token chunk foreseen
     at 327 ms because 64 tokens were predicted at 149 ms, over 150 with the error to spare, and
     streams stalled until a replay cut it 4 s later); a hold when the chunk is at its bound or
@@ -226,8 +228,8 @@ def deepest_needed(model: StepTimeModel, step: Composition, knobs: Knobs, spec: 
     chunk = knobs.long_prefill_token_threshold
     predicted = {chunk: wait_at(model, step, chunk, TAIL)}
     headroom = 1 + model.heldout_mape
-    floor = floor_of(spec, fixed)
-    while predicted[chunk] * headroom > target and (smaller := max(floor, chunk // 2)) < chunk:
+    floor, block = floor_of(spec, fixed), max(1, int(fixed.get("block_size") or 1))
+    while predicted[chunk] * headroom > target and (smaller := max(floor, (chunk - 1) // block * block)) < chunk:
         chunk = smaller
         predicted[chunk] = wait_at(model, step, chunk, TAIL)
     prediction = {**prediction, "model_heldout_mape": model.heldout_mape,
