@@ -219,16 +219,17 @@ def deepest_needed(model: StepTimeModel, step: Composition, knobs: Knobs, spec: 
                    seen: str, prediction: dict[str, Any]) -> Choice:
     """The largest chunk, in whole KV blocks, under which `step` keeps the ITL target at the p99
     of the fit's spread with the model's held-out error to spare, as the replayed choice (`pick`)
-    counts it (every chunk tried is in the prediction); when none down to the bound does, the bound if it keeps the target at the median of the
-    spread (most such steps would: benchmarks/autopilot.py run 42 held a 256-token chunk foreseen
-    at 327 ms because 64 tokens were predicted at 149 ms, over 150 with the error to spare, and
-    streams stalled until a replay cut it 4 s later); a hold when the chunk is at its bound or
-    no chunk down to there keeps the target even at the median."""
+    counts it (every chunk tried is in the prediction); when none down to the bound does, the
+    bound if it keeps the target at the median of the spread (most such steps would:
+    benchmarks/autopilot.py run 42 held a 256-token chunk foreseen at 327 ms because 64 tokens
+    were predicted at 149 ms, over 150 with the error to spare, and streams stalled until a
+    replay cut it 4 s later); a hold when the chunk is at its bound or no chunk down to there
+    keeps the target even at the median."""
     target = spec.targets["itl_p99"]
     chunk = knobs.long_prefill_token_threshold
     predicted = {chunk: wait_at(model, step, chunk, TAIL)}
     headroom = 1 + model.heldout_mape
-    floor, block = floor_of(spec, fixed), max(1, int(fixed.get("block_size") or 1))
+    floor, block = floor_of(spec, fixed), kv_block(fixed)
     while predicted[chunk] * headroom > target and (smaller := max(floor, (chunk - 1) // block * block)) < chunk:
         chunk = smaller
         predicted[chunk] = wait_at(model, step, chunk, TAIL)
@@ -333,7 +334,12 @@ def seqs_floor(spec: Spec) -> int:
 def floor_of(spec: Spec, fixed: Mapping[str, Any]) -> int:
     """The smallest chunk a cut goes to: the operator's lower bound, and never under one KV block
     (smaller chunks pay a step's fixed cost for a sliver of a prompt)."""
-    return max(1, spec.bounds.get(KNOB, (1, 0))[0], int(fixed.get("block_size") or 1))
+    return max(spec.bounds.get(KNOB, (1, 0))[0], kv_block(fixed))
+
+
+def kv_block(fixed: Mapping[str, Any]) -> int:
+    """The engine's KV block size in tokens (1 when its fixed settings do not say)."""
+    return max(1, int(fixed.get("block_size") or 1))
 
 
 def fit_window(iterations: Sequence[IterationStats], fixed: Mapping[str, Any]) -> StepTimeModel:
