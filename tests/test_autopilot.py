@@ -17,6 +17,7 @@ from appliance.engine import Knobs
 from appliance.engine.knobs import KnobState, KnobUpdate
 from appliance.records import ITERATION_METRICS, HoldCause, IterationStats, RequestStats
 from appliance.server.autopilot import FOLLOW_UP_S, SOURCE, Autopilot
+from appliance.server.autopilot_stalls import STARVED
 from appliance.server.autopilot_choice import (LOAD_GROWTH, MARGIN, USED, Choice, Forecast, candidates, heavier,
                                               load_checked, never_reached, pick)
 from appliance.server.autopilot_policy import (DecodeGaps, Move, SpecError, WindowStats, decide, parse_spec, window_stats,
@@ -470,22 +471,29 @@ def test_a_target_kept_by_less_than_the_models_error_does_not_count_as_kept():
     assert pick(tried, spec, headroom=0.15)[0].changes == {"long_prefill_token_threshold": 64}
 
 
-@pytest.mark.parametrize("per_token_ms, rate, raised", [(1.0, 2.0, False), (0.1, 4.0, True)])
-def test_a_raise_of_prefills_at_once_that_would_stall_every_stream_is_barred(per_token_ms, rate, raised):
+@pytest.mark.parametrize("per_token_ms, rate, ttft_s, raised", [(1.0, 2.0, 10, False), (1.0, 2.0, 7, None),
+                                                                  (0.1, 4.0, 2, True)])
+def test_a_raise_of_prefills_at_once_that_would_stall_every_stream_is_barred(per_token_ms, rate, ttft_s, raised):
     # 600-token prompts queue behind one long prefill at a time (TTFT over target, the long
     # partial-prefill limit holding them). At 1 ms per prefill token a second 64-token chunk beside
     # the decode rows makes a step of ~170 ms, over the 150 ms ITL target: every stream in flight
-    # would pay for the queued prompts' first tokens, so the raise is barred. At 0.1 ms per token
-    # two chunks cost ~40 ms: the raise goes ahead
-    ap, engine = pilot("ttft_p99=1s,itl_p99=150ms,max_long_partial_prefills=1..2", fixed=FIXED, window_s=300,
-                       long_prefill_token_threshold=64, max_num_partial_prefills=2, max_long_partial_prefills=1)
+    # would pay for the queued prompts' first tokens, so the raise is barred while TTFT p99 (15 s)
+    # is under twice its target (10 s); at 7 s the queue starves: the raise is not barred, and the
+    # replays weigh it (None: they may hold). At 0.1 ms per token two chunks cost ~40 ms: the
+    # raise goes ahead
+    ap, engine = pilot(f"ttft_p99={ttft_s}s,itl_p99=150ms,max_long_partial_prefills=1..2", fixed=FIXED,
+                       window_s=300, long_prefill_token_threshold=64, max_num_partial_prefills=2,
+                       max_long_partial_prefills=1)
     end = scripted_window(ap, engine.knobs, true_engine(prefill_tokens=per_token_ms / 1000), n=40, rate=rate,
                           prompt=600, output=32)
     stats = window_stats(list(ap._iterations), list(ap._requests))
-    assert max(stats.held_s, key=stats.held_s.get) is HoldCause.LONG_PARTIAL_PREFILLS and stats.ttft_p99 > 1.0
+    assert max(stats.held_s, key=stats.held_s.get) is HoldCause.LONG_PARTIAL_PREFILLS and stats.ttft_p99 > ttft_s
+    assert (stats.ttft_p99 >= STARVED * ttft_s) == (raised is None)
     assert decide(stats, engine.knobs, ap.spec).changes == {"max_long_partial_prefills": 2}  # the rules alone would
     move = ap.tick(end + 1)
-    if raised:
+    if raised is None:
+        assert "barred" not in ap.view()["last_decision"]["reason"]
+    elif raised:
         assert move is not None and engine.knobs.max_long_partial_prefills == 2
         assert ap.view()["moves"][-1]["prediction"]["barred"] == []
     else:
@@ -508,13 +516,29 @@ def test_a_raise_of_prefills_at_once_must_keep_the_target_at_the_p99_with_the_er
     step = replace(iteration(T0, decode=4), decode_seqs=4, decode_context_tokens=1000)
     knobs = Knobs(long_prefill_token_threshold=64, max_num_partial_prefills=2, max_long_partial_prefills=1)
     spec = parse_spec(f"ttft_p99=1s,itl_p99={itl_ms}ms")
-    prompts = [dataclasses.replace(request(T0, 2.0), prompt_tokens=600)]
+    prompts = [dataclasses.replace(request(T0, 1.9), prompt_tokens=600)]  # TTFT under twice its target
     why = raise_stalls(model, [step], prompts, knobs, spec, Move({"max_long_partial_prefills": 2}, "TTFT"))
     assert (why is not None) == barred
     if barred:
         assert why == ("max_long_partial_prefills 1→2 barred: 2 prefill chunks of 64 tokens beside the 4 decode rows "
                        f"the window has run would keep them waiting 235 ms at the p99 of the step-time model's spread "
                        f"(held-out error {heldout_mape:.0%}; ITL target {itl_ms} ms)")
+
+
+@pytest.mark.parametrize("ttft_s, barred", [(1.9, True), (2.0, False)])
+def test_a_raise_of_prefills_at_once_is_not_barred_while_the_queue_starves(ttft_s, barred):
+    # as above at 200 ms (two chunks kept at the median only): barred while the window's TTFT p99
+    # is under twice its 1 s target; at twice it, every request the queue holds has missed the SLO
+    # already, and the raise that lets them in is not barred by the stall it makes
+    from appliance.server.autopilot_stalls import raise_stalls
+
+    model = replace(true_engine(prefill_tokens=0.001), noise=(0.8, 1.0, 1.5))
+    step = replace(iteration(T0, decode=4), decode_seqs=4, decode_context_tokens=1000)
+    knobs = Knobs(long_prefill_token_threshold=64, max_num_partial_prefills=2, max_long_partial_prefills=1)
+    prompts = [dataclasses.replace(request(T0 + i, ttft_s), prompt_tokens=600) for i in range(20)]
+    why = raise_stalls(model, [step], prompts, knobs, parse_spec("ttft_p99=1s,itl_p99=200ms"),
+                       Move({"max_long_partial_prefills": 2}, "TTFT"))
+    assert (why is not None) == barred
 
 
 def test_a_chosen_cut_of_max_num_seqs_is_checked_at_twice_the_windows_arrival_rate():
@@ -763,6 +787,29 @@ def test_a_stall_with_the_chunk_at_its_bound_cuts_max_num_seqs_as_far_as_needed(
         assert predicted[str(seqs - 1)] <= itl_ms / 1000 < predicted["5"]
     decided = ap.view()["last_decision"]
     assert ap.tick(end + 3) is None and ap.view()["last_decision"] == decided  # one such fit per cooldown
+
+
+@pytest.mark.parametrize("raise_first", [True, False])
+def test_a_stall_cut_does_not_undo_the_autopilots_raise_in_force(raise_first):
+    # the autopilot raises max_num_seqs 2→4 for TTFT; then 128-token chunks, at their bound, stall
+    # decode rows past 115 ms, which 2 decode rows beside a chunk would keep (max_num_seqs 3, as
+    # without the raise): a stall cut that undid the raise would give the queue back and the TTFT
+    # rule would raise again (a flap), so it holds; only the relax rule gives a raise back
+    ap, engine = pilot("ttft_p99=1s,itl_p99=115ms,long_prefill_token_threshold=128..512,max_num_seqs=2..16",
+                       fixed=FIXED, window_s=300, long_prefill_token_threshold=128,
+                       max_num_seqs=2 if raise_first else 4)
+    t0 = T0
+    if raise_first:
+        end = scripted_window(ap, engine.knobs, true_engine())
+        assert ap.tick(end + 1) is not None and engine.knobs.max_num_seqs == 4
+        t0 = end + 20  # past the cooldown
+    end = stalling_window(ap, chunks=(128,), t0=t0)
+    move = ap.tick(end + 1)
+    if raise_first:
+        assert move is None and engine.knobs.max_num_seqs == 4
+        assert ap.view()["last_decision"]["reason"].endswith("the chunk is at its bound")
+    else:
+        assert move is not None and move.changes == {"max_num_seqs": 3}
 
 
 @pytest.mark.parametrize("bounds, prompts", [("", 1), (",max_num_partial_prefills=2..4", None)])

@@ -178,15 +178,16 @@ class Autopilot(StatsSink):
                 seq, spec = self._manual_seq, self.spec
                 # a raise is given back only once a whole window has been read under it (hysteresis:
                 # a burst that ends just after a raise does not undo it ten seconds later)
-                last_raise = dict(self._last_raise) if now - self._last_move_at >= self.window_s else {}
+                raised = dict(self._last_raise)  # in force: no stall cut undoes it (autopilot_stalls.kept_raise)
+                last_raise = raised if now - self._last_move_at >= self.window_s else {}
             snap = self._knobs()
             if follow_up:  # only a stall seen under the cut deepens it: no foresight, no replay
                 assert self._fixed is not None  # _follow_up_due holds only with the fixed settings
-                choice = chunk_cut(iterations, snap.knobs, spec, self._fixed(), foresee=False)
+                choice = chunk_cut(iterations, snap.knobs, spec, self._fixed(), foresee=False, raised=raised)
                 if choice is None:
                     return None
             else:
-                choice = self._choose(iterations, requests, snap.knobs, spec, last_raise, kept)
+                choice = self._choose(iterations, requests, snap.knobs, spec, last_raise, kept, raised)
             with self._lock:
                 if choice.move is None and choice.reason != (self.last_decision or {}).get("reason"):
                     log.info("autopilot: %s", choice.reason)  # a hold, logged when its reason changes
@@ -229,18 +230,21 @@ class Autopilot(StatsSink):
             return None
 
     def _choose(self, iterations: list[IterationStats], requests: list[RequestStats], knobs: Any, spec: Spec,
-                last_raise: dict[str, int], kept: list[IterationStats]) -> Choice:
+                last_raise: dict[str, int], kept: list[IterationStats], raised: dict[str, int]) -> Choice:
         """By simulation when the engine's fixed settings are known, else by the rules alone
-        (`kept`: the engine's latest steps, beyond the window)."""
+        (`kept`: the engine's latest steps, beyond the window; `last_raise`: the raise the relax
+        rule may give back, once a window has been read under it; `raised`: the raise in force)."""
         if self._fixed is not None:
             # what needs no replay (a step-time fit at most, milliseconds) is decided here, where a
             # worker at nice 19 beside a busy engine would wait most of a second for the CPU
             # (benchmarks/autopilot.py run 22: the foreseen cut came just after the first stall)
             fixed = self._fixed()
-            if (quick := without_replay(iterations, requests, knobs, spec, fixed, last_raise, kept)) is not None:
+            quick = without_replay(iterations, requests, knobs, spec, fixed, last_raise, kept, raised)
+            if quick is not None:
                 return quick
             run = self._worker.replayed if self._worker is not None else replayed
-            return run(iterations, requests, knobs, spec, fixed, last_raise, budget_s=self.replay_budget_s)
+            return run(iterations, requests, knobs, spec, fixed, last_raise, budget_s=self.replay_budget_s,
+                       raised=raised)
         move = decide(window_stats(iterations, requests), knobs, spec, last_raise)
         return Choice(move, move.reason if move else "hold: the rules propose nothing")
 

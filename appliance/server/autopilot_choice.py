@@ -171,36 +171,38 @@ def measured_attainment(done: Sequence[RequestStats], slo: SLO, gaps: DecodeGaps
 
 def without_replay(iterations: Sequence[IterationStats], requests: Sequence[RequestStats], knobs: Knobs, spec: Spec,
                    fixed: Mapping[str, Any], last_raise: Mapping[str, int] | None = None,
-                   kept: Sequence[IterationStats] = ()) -> Choice | None:
+                   kept: Sequence[IterationStats] = (), raised: Mapping[str, int] | None = None) -> Choice | None:
     """The choice that needs no replay (milliseconds: a step-time fit at most), or None when
     the window's replay decides: too few finished requests (a stall, seen or foreseen, cuts the
     chunk, else hold; `kept`: the engine's steps from before the window, which price a chunk the
     window has not yet); with TTFT p99 within its target, a prefill stall the chunk explains cuts
     it (the finished requests' figures miss the streams it stalled that are still in flight);
-    no candidate move (hold)."""
+    no candidate move (hold). `raised`: the autopilot's last raise in force ({knob: its value
+    before}), which no stall cut undoes (autopilot_stalls.kept_raise)."""
     w = window_stats(iterations, requests)
     if w.requests < MIN_REQUESTS:
-        return chunk_cut(iterations, knobs, spec, fixed, kept=kept) or Choice(
+        return chunk_cut(iterations, knobs, spec, fixed, kept=kept, raised=raised) or Choice(
             None, f"hold: {w.requests} finished request(s) in the window, at least {MIN_REQUESTS} needed")
     ttft_target = spec.targets.get("ttft_p99")
     ttft_kept = ttft_target is None or w.ttft_p99 is None or w.ttft_p99 <= ttft_target
     if ttft_kept:  # the rules' order: TTFT first
-        cut = chunk_cut(iterations, knobs, spec, fixed, foresee=False)
+        cut = chunk_cut(iterations, knobs, spec, fixed, foresee=False, raised=raised)
         if cut is not None and cut.move is not None:
             return cut
     if not candidates(w, knobs, spec, last_raise):
         hold = Choice(None, "hold: " + (nothing_helps(w) if any(over_targets(w, spec)) else "targets met"))
-        return hold if ttft_kept else or_stall_cut(hold, iterations, knobs, spec, fixed)
+        return hold if ttft_kept else or_stall_cut(hold, iterations, knobs, spec, fixed, raised)
     return None
 
 
 def replayed(iterations: Sequence[IterationStats], requests: Sequence[RequestStats], knobs: Knobs, spec: Spec,
              fixed: Mapping[str, Any], last_raise: Mapping[str, int] | None = None, *, budget_s: float = BUDGET_S,
+             raised: Mapping[str, int] | None = None,
              clock: Callable[[], float] = time.perf_counter) -> Choice:
     """The choice by replaying the window under the knobs in force and each candidate (for a
     window `without_replay` left undecided; seconds of pure Python: the server runs it in the
     autopilot's worker). `fixed`: GET /admin/knobs' fixed settings (the cache shape and the
-    engine the step-time model is keyed on)."""
+    engine the step-time model is keyed on); `raised`: as `without_replay`'s."""
     gaps = DecodeGaps.of(iterations)
     w = window_stats(iterations, requests, gaps)
     moves = candidates(w, knobs, spec, last_raise)
@@ -214,7 +216,8 @@ def replayed(iterations: Sequence[IterationStats], requests: Sequence[RequestSta
         rule = None
     moves = [m for m in moves if _key(m) not in barred]
     if not moves:
-        return or_stall_cut(Choice(None, "hold: " + "; ".join(barred.values())), iterations, knobs, spec, fixed)
+        return or_stall_cut(Choice(None, "hold: " + "; ".join(barred.values())), iterations, knobs, spec, fixed,
+                            raised)
     cache = CacheShape(int(fixed["num_blocks"]), int(fixed["block_size"]), int(fixed["max_model_len"]))
     slo = SLO(ttft=spec.targets.get("ttft_p99"), itl=spec.targets.get("itl_p99"))
     done = replayable(requests)
@@ -233,7 +236,7 @@ def replayed(iterations: Sequence[IterationStats], requests: Sequence[RequestSta
         if abs(base.attainment - measured) > CALIBRATION:  # the window does not explain what was measured
             alone = rules_only(rule, f"the replay of the knobs in force predicts {base.attainment:.0%} "
                                      f"within the targets, {measured:.0%} was measured")
-            return replace(or_stall_cut(alone, iterations, knobs, spec, fixed), simulated=True)
+            return replace(or_stall_cut(alone, iterations, knobs, spec, fixed, raised), simulated=True)
         tried: list[tuple[Move, Forecast]] = []
         unreached: list[dict[str, int]] = []
         for m in moves:
@@ -261,7 +264,7 @@ def replayed(iterations: Sequence[IterationStats], requests: Sequence[RequestSta
             choice = load_checked(choice, knobs, lambda k: forecast(k, busier)[0])
         except ReplayError as exc:
             return Choice(None, f"hold: the simulation failed ({exc})", prediction, True)
-    return replace(or_stall_cut(choice, iterations, knobs, spec, fixed), simulated=True)
+    return replace(or_stall_cut(choice, iterations, knobs, spec, fixed, raised), simulated=True)
 
 
 def heavier(reqs: Sequence[SimRequest], factor: float) -> list[SimRequest]:
@@ -290,7 +293,7 @@ def load_checked(choice: Choice, knobs: Knobs, forecast: Callable[[Knobs], Forec
 
 
 def or_stall_cut(choice: Choice, iterations: Sequence[IterationStats], knobs: Knobs, spec: Spec,
-                 fixed: Mapping[str, Any]) -> Choice:
+                 fixed: Mapping[str, Any], raised: Mapping[str, int] | None = None) -> Choice:
     """`choice`, or, when it holds, the answer to the window's prefill stalls (`chunk_cut`: the
     chunk, or with the chunk at its bound the prompts prefilled at once or max_num_seqs): a
     replay carries only the window's finished requests, not the streams still in flight that
@@ -300,7 +303,7 @@ def or_stall_cut(choice: Choice, iterations: Sequence[IterationStats], knobs: Kn
     decision says why neither acted."""
     if choice.move is not None:
         return choice
-    cut = chunk_cut(iterations, knobs, spec, fixed, foresee=False)
+    cut = chunk_cut(iterations, knobs, spec, fixed, foresee=False, raised=raised)
     if cut is None:
         return choice
     if cut.move is None:

@@ -46,7 +46,9 @@ prompts' first tokens with a stall of every stream in flight (benchmarks/autopil
 max_long_partial_prefills 1→2 during the long prompts, and ITL misses all through that phase). It
 is barred unless the step it allows keeps the target at the p99 of the fit's spread with the
 held-out error to spare, as a stall cut's step must: a raise the stall answer would cut again is
-not made.
+not made. But not while the queue starves (TTFT p99 at twice its target or more: every request it
+holds has missed the SLO already, however it streams): then the raise is made, and no stall cut
+undoes a raise in force (`kept_raise`); the relax rule gives it back once both targets are kept.
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ from appliance.engine.knobs import Knobs
 from appliance.records import IterationStats, RequestStats
 from appliance.sim.fit import Composition, EngineKey, FitError, StepTimeModel, composition_of, fit_step_time
 
-from .autopilot_policy import Choice, Move, Spec, bounded_move, decode_waits, running_mean, seqs_demand
+from .autopilot_policy import Choice, Move, Spec, bounded_move, decode_waits, p99, running_mean, seqs_demand
 
 KNOB = "long_prefill_token_threshold"
 SEQS = "max_num_seqs"
@@ -68,6 +70,7 @@ PREFILLS_AT_ONCE = (PREFILLS, "max_long_partial_prefills")
 TAIL = 0.99  # the quantile of the fit's spread a stall is predicted at (the target is a p99)
 MEDIAN = 0.5  # ...and a stall foreseen, before any has happened
 MIN_PREFILL_STEPS = 3  # a window prices prefill tokens once this many of its steps carried some
+STARVED = 2.0  # TTFT p99 at this many times its target: a raise for it is not barred by the stall it makes
 
 
 def tail_quantile(rows: int) -> float:
@@ -84,18 +87,20 @@ def stalled_steps(iterations: Sequence[IterationStats], target: float) -> list[t
 
 
 def chunk_cut(iterations: Sequence[IterationStats], knobs: Knobs, spec: Spec, fixed: Mapping[str, Any],
-              foresee: bool = True, kept: Sequence[IterationStats] = ()) -> Choice | None:
+              foresee: bool = True, kept: Sequence[IterationStats] = (),
+              raised: Mapping[str, int] | None = None) -> Choice | None:
     """The choice for a window whose prefill steps stalled decoding past the ITL target, or
     (`foresee`), when the chunk has not yet, whose chunk the step-time model foresees doing so
     (`foresight`, which prices steps on `kept` when the window cannot). `fixed`: the engine's fixed
-    settings, which key the step-time model. None when there is no ITL target, no stall and none
-    foreseen."""
+    settings, which key the step-time model; `raised`: the autopilot's last raise still in force
+    ({knob: its value before}), which no stall cut undoes (`prefills_floor`, `seqs_floor`). None
+    when there is no ITL target, no stall and none foreseen."""
     target = spec.targets.get("itl_p99")
     if not target:
         return None
     stalls = stalled_steps(iterations, target)
     if not stalls:
-        return foresight(iterations, knobs, spec, fixed, kept=kept) if foresee else None
+        return foresight(iterations, knobs, spec, fixed, kept=kept, raised=raised) if foresee else None
     wait = max(w for _, w in stalls)
     seen = f"{len(stalls)} step(s) carrying prefill chunks kept decode rows waiting up to {wait * 1000:.0f} ms " \
            f"(ITL target {target * 1000:.0f} ms)"
@@ -103,8 +108,8 @@ def chunk_cut(iterations: Sequence[IterationStats], knobs: Knobs, spec: Spec, fi
     ran = max(it.decode_seqs + it.prefill_seqs for it, _ in stalls)
     prompts = max(it.prefill_seqs for it, _ in stalls)
     demand = seqs_demand(running_mean(iterations))
-    if (at_floor and max(seqs_floor(spec), demand) >= min(knobs.max_num_seqs, ran)
-            and prefills_floor(spec, knobs) >= min(knobs.max_num_partial_prefills, prompts)):  # nothing to cut
+    if (at_floor and max(seqs_floor(spec, knobs, raised), demand) >= min(knobs.max_num_seqs, ran)
+            and prefills_floor(spec, knobs, raised) >= min(knobs.max_num_partial_prefills, prompts)):  # nothing to cut
         return Choice(None, f"hold: {seen}; the chunk is at its bound")
     try:
         model = fit_window(iterations, fixed)
@@ -118,19 +123,20 @@ def chunk_cut(iterations: Sequence[IterationStats], knobs: Knobs, spec: Spec, fi
     now = max((composition_of(it.as_dict()) for it, _ in stalls), key=model.predict)
     chunk = knobs.long_prefill_token_threshold
     if (robust := wait_at(model, now, chunk, tail_quantile(model.rows_used))) <= target:
-        ahead = foresight(iterations, knobs, spec, fixed, model) if foresee else None
+        ahead = foresight(iterations, knobs, spec, fixed, model, raised=raised) if foresee else None
         return ahead if ahead is not None and ahead.move is not None else Choice(
             None, f"hold: {seen}; the step-time model predicts at most {robust * 1000:.0f} ms for their "
                   f"compositions (at the tail of its spread): the stall is not the chunk's", simulated=at_floor)
     prediction = {"stalled_steps": len(stalls), "worst_wait_s": wait}
     if at_floor:
-        return prefills_cut(model, now, knobs, spec, seen, prediction) or seqs_cut(
-            model, now, knobs, spec, seen, prediction, demand)
+        return prefills_cut(model, now, knobs, spec, seen, prediction, raised) or seqs_cut(
+            model, now, knobs, spec, seen, prediction, demand, raised)
     return deepest_needed(model, now, knobs, spec, fixed, seen, prediction)
 
 
 def foresight(iterations: Sequence[IterationStats], knobs: Knobs, spec: Spec, fixed: Mapping[str, Any],
-              model: StepTimeModel | None = None, kept: Sequence[IterationStats] = ()) -> Choice | None:
+              model: StepTimeModel | None = None, kept: Sequence[IterationStats] = (),
+              raised: Mapping[str, int] | None = None) -> Choice | None:
     """Before the chunk has stalled decoding: it bounds the step a long prompt makes beside the
     decode rows in flight. The model (`model`, else the window's own fit once MIN_PREFILL_STEPS
     of its steps carried prefill tokens, else one on the engine's `kept` steps from before the
@@ -140,10 +146,11 @@ def foresight(iterations: Sequence[IterationStats], knobs: Knobs, spec: Spec, fi
     spread, the chunk is cut as a stall would cut it, before the first long prompt makes one.
     With the chunk at its bound, the step predicted is the one the limit on prompts prefilled at
     once allows (that many whole chunks), and that limit is cut as a stall of it would cut it (the
-    same foresight bars raising it there: `raise_stalls`). None: nothing foreseen."""
+    same foresight bars raising it there: `raise_stalls`), never under a raise in force (`raised`).
+    None: nothing foreseen."""
     target = spec.targets["itl_p99"]
     chunk, at_floor = knobs.long_prefill_token_threshold, knobs.long_prefill_token_threshold <= floor_of(spec, fixed)
-    if at_floor and knobs.max_num_partial_prefills <= prefills_floor(spec, knobs):
+    if at_floor and knobs.max_num_partial_prefills <= prefills_floor(spec, knobs, raised):
         return None
     own = model or priced(iterations, fixed)
     if (model := own or priced(kept, fixed)) is None:
@@ -165,7 +172,7 @@ def foresight(iterations: Sequence[IterationStats], knobs: Knobs, spec: Spec, fi
            f"{median * 1000:.0f} ms at the median of the step-time model's spread{fitted} (ITL target " \
            f"{target * 1000:.0f} ms)"
     if at_floor:
-        return prefills_cut(model, ahead, knobs, spec, seen, {"foreseen_wait_s": median})
+        return prefills_cut(model, ahead, knobs, spec, seen, {"foreseen_wait_s": median}, raised)
     return deepest_needed(model, ahead, knobs, spec, fixed, seen, {"foreseen_wait_s": median})
 
 
@@ -177,12 +184,21 @@ def raise_stalls(model: StepTimeModel, iterations: Sequence[IterationStats], req
     waiting past the ITL target at the p99 of the fit's spread with the model's held-out error to
     spare: the test a stall cut of that limit passes, so that no raise is made that the stall
     answer would cut again (benchmarks/autopilot.py run 61: a raise of max_long_partial_prefills
-    allowed at the median, 1→2, and ten seconds later the stall cut max_num_partial_prefills to 2)."""
-    target = spec.targets.get("itl_p99")
+    allowed at the median, 1→2, and ten seconds later the stall cut max_num_partial_prefills to 2).
+    Not barred while the window's TTFT p99 is STARVED times its target or more: the queue then
+    misses the SLO for every request it holds whatever their streaming, and a stall cut does not
+    undo the raise (`kept_raise`; benchmarks/autopilot.py run 66: with max_num_partial_prefills
+    cut to 1 in the chat phase, the long prompts' phase held 100 % of the queue on that limit,
+    TTFT p99 reached 10.6 s, and every raise 1→2 was barred: 51 misses against the best fixed
+    setting's 37 there)."""
+    target, ttft_target = spec.targets.get("itl_p99"), spec.targets.get("ttft_p99")
     now = knobs.as_dict()
     raised = [(name, n) for name, n in move.changes.items() if name in PREFILLS_AT_ONCE and n > now[name]]
     decoding = [composition_of(it.as_dict()) for it in iterations if it.decode_seqs > 0]
     if not target or not raised or not decoding or not requests:
+        return None
+    ttft = p99([r.first_token - r.arrival for r in requests if r.first_token is not None])
+    if ttft_target and ttft is not None and ttft >= STARVED * ttft_target:
         return None
     name, n = max(raised, key=lambda r: r[1])
     after = knobs.with_changes(move.changes)
@@ -251,11 +267,11 @@ def deepest_needed(model: StepTimeModel, step: Composition, knobs: Knobs, spec: 
 
 
 def seqs_cut(model: StepTimeModel, step: Composition, knobs: Knobs, spec: Spec, seen: str,
-             prediction: dict[str, Any], demand: int) -> Choice:
+             prediction: dict[str, Any], demand: int, raised: Mapping[str, int] | None = None) -> Choice:
     """With the chunk at its bound, the stalled `step` is bounded by the sequences beside its
     prefills: the most sequences under which it (its decode rows fewer, their context in
     proportion) keeps the ITL target at the p99 of the fit's spread with the model's held-out
-    error to spare; a hold when none down to the operator's lower bound does, or when that is
+    error to spare; a hold when none down to its floor (`seqs_floor`) does, or when that is
     under `demand` (seqs_demand of the window: fewer would let the queue grow). Marked
     simulated: the controller spaces such fits out as it does replays."""
     target = spec.targets["itl_p99"]
@@ -271,9 +287,10 @@ def seqs_cut(model: StepTimeModel, step: Composition, knobs: Knobs, spec: Spec, 
     seqs, now, cut = rows + max(1, step.prefill_seqs), wait(step.decode_rows), wait(rows)
     prediction = {**prediction, "model_heldout_mape": model.heldout_mape, "decode_rows": step.decode_rows,
                   "predicted_wait_s": {str(step.decode_rows): now, str(rows): cut}}
-    if rows == 0 or seqs < seqs_floor(spec):
+    floor = seqs_floor(spec, knobs, raised)
+    if rows == 0 or seqs < floor:
         return Choice(None, f"hold: {seen}; the chunk is at its bound and no max_num_seqs down to "
-                            f"{seqs_floor(spec)} brings that step under the target", prediction, simulated=True)
+                            f"{floor} brings that step under the target", prediction, simulated=True)
     if seqs < demand:
         return Choice(None, f"hold: {seen}; the chunk is at its bound and max_num_seqs {seqs} would bring that step "
                             f"under the target, but fewer than {demand} (the sequences the window ran on average, "
@@ -287,7 +304,7 @@ def seqs_cut(model: StepTimeModel, step: Composition, knobs: Knobs, spec: Spec, 
 
 
 def prefills_cut(model: StepTimeModel, step: Composition, knobs: Knobs, spec: Spec, seen: str,
-                 prediction: dict[str, Any]) -> Choice | None:
+                 prediction: dict[str, Any], raised: Mapping[str, int] | None = None) -> Choice | None:
     """With the chunk at its bound, a stalled `step` that carried several prompts' chunks is
     bounded by their number (a prompt's last chunk and the next prompt's first ride together):
     the most prompts prefilled at once under which it keeps the ITL target at the p99 of the fit's
@@ -295,9 +312,10 @@ def prefills_cut(model: StepTimeModel, step: Composition, knobs: Knobs, spec: Sp
     target at the median, as `deepest_needed` cuts the chunk (benchmarks/autopilot.py run 58: with
     64-token chunks, steps of two chunks beside ten decode rows were predicted at 300-320 ms at the
     median, one chunk at about 190). None: the step carried one prompt's chunk, the limit is at its
-    bound, or no limit down to there brings the step under the target even at the median."""
+    floor (`prefills_floor`), or no limit down to there brings the step under the target even at
+    the median."""
     target, chunk = spec.targets["itl_p99"], knobs.long_prefill_token_threshold
-    now, floor = knobs.max_num_partial_prefills, prefills_floor(spec, knobs)
+    now, floor = knobs.max_num_partial_prefills, prefills_floor(spec, knobs, raised)
     if min(now, step.prefill_seqs) <= floor:
         return None
 
@@ -320,15 +338,26 @@ def prefills_cut(model: StepTimeModel, step: Composition, knobs: Knobs, spec: Sp
     return Choice(move, move.reason, prediction, simulated=True) if move else None
 
 
-def prefills_floor(spec: Spec, knobs: Knobs) -> int:
-    """The fewest prompts prefilled at once a cut goes to: the operator's lower bound, and never
-    under max_long_partial_prefills (the limit on long ones among them)."""
-    return max(1, spec.bounds.get(PREFILLS, (1, 0))[0], knobs.max_long_partial_prefills)
+def prefills_floor(spec: Spec, knobs: Knobs, raised: Mapping[str, int] | None = None) -> int:
+    """The fewest prompts prefilled at once a cut goes to: the operator's lower bound, never under
+    max_long_partial_prefills (the limit on long ones among them), and not under the limit now
+    while the autopilot's raise of it is in force (`raised`, see `kept_raise`)."""
+    return max(1, spec.bounds.get(PREFILLS, (1, 0))[0], knobs.max_long_partial_prefills,
+               kept_raise(knobs, PREFILLS, raised))
 
 
-def seqs_floor(spec: Spec) -> int:
-    """The smallest max_num_seqs a cut goes to: the operator's lower bound."""
-    return max(1, spec.bounds.get(SEQS, (1, 0))[0])
+def seqs_floor(spec: Spec, knobs: Knobs, raised: Mapping[str, int] | None = None) -> int:
+    """The smallest max_num_seqs a cut goes to: the operator's lower bound, and not under the
+    limit now while the autopilot's raise of it is in force (`raised`, see `kept_raise`)."""
+    return max(1, spec.bounds.get(SEQS, (1, 0))[0], kept_raise(knobs, SEQS, raised))
+
+
+def kept_raise(knobs: Knobs, name: str, raised: Mapping[str, int] | None) -> int:
+    """The value `name` holds while the autopilot's last raise of it is in force (`raised`:
+    {knob: its value before}), else 0. A raise is made for TTFT, when a limit held the queue; a
+    stall cut that undid it would give the queue back, and the TTFT rule would raise it again (a
+    flap): only the relax rule gives a raise back, once both targets are well kept."""
+    return knobs.as_dict()[name] if raised and name in raised else 0
 
 
 def floor_of(spec: Spec, fixed: Mapping[str, Any]) -> int:
