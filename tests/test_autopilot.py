@@ -195,6 +195,25 @@ def test_itl_cuts_max_num_seqs_only_when_the_decode_rows_stall_by_themselves(pre
     assert any(m.changes.get("max_num_seqs") for m in candidates(w, knobs, spec)) == cut
 
 
+@pytest.mark.parametrize("raised, relax", [(None, False), ({"max_num_partial_prefills": 2}, False),
+                                           ({"max_num_partial_prefills": 2}, True)])
+def test_no_candidate_lowers_a_knob_the_raise_in_force_raised_but_the_relax_rule(raised, relax):
+    # ITL p99 over its target with prefill steps: the candidates halve the chunk, the budget and the
+    # prompts prefilled at once (4→2). While the autopilot's raise of that limit (2→4) is in force,
+    # lowering it for ITL would give the queue back: not tried. The relax rule (both p99s under
+    # half their targets, the raise read for a whole window) is what gives it back
+    ttft, itl = (0.2, 0.02) if relax else (0.2, 0.2)
+    w = WindowStats(10, ttft, itl, dict.fromkeys(HoldCause, 0.0), 0.3, 0.3, 12, 6.0, 0.04)
+    spec = parse_spec("ttft_p99=1s,itl_p99=50ms")
+    knobs = Knobs(long_prefill_token_threshold=256, max_num_partial_prefills=4)
+    moves = [m.changes for m in candidates(w, knobs, spec, last_raise=raised, raised=raised)]
+    if relax:
+        assert moves == [{"max_num_partial_prefills": 2}]
+    else:
+        assert {"long_prefill_token_threshold": 128} in moves
+        assert ({"max_num_partial_prefills": 2} in moves) == (raised is None)
+
+
 def test_itl_over_target_lowers_max_num_seqs_below_what_actually_ran():
     ap, engine = pilot("ttft_p99=1s,itl_p99=50ms", max_num_seqs=64)
     for i in range(50):  # decode only, never more than 12 running: a limit of 48 would change nothing

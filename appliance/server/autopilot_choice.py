@@ -38,7 +38,7 @@ from appliance.sim.fit import MIN_ROWS, FitError
 from appliance.sim.replay import CacheShape, ReplayError, SimRequest, replay
 
 from .autopilot_policy import (MIN_REQUESTS, Choice, DecodeGaps, Move, Spec, WindowStats, bounded_move, decide, p99,
-                               window_stats)
+                               relaxed, undoes_raise, window_stats)
 from .autopilot_stalls import chunk_cut, fit_window, raise_stalls
 
 MARGIN = 0.05  # a candidate must raise the predicted attainment by this share of requests...
@@ -97,7 +97,8 @@ def over_targets(w: WindowStats, spec: Spec) -> tuple[bool, bool]:
     return over(w.ttft_p99, "ttft_p99"), over(w.itl_p99, "itl_p99")
 
 
-def candidates(w: WindowStats, knobs: Knobs, spec: Spec, last_raise: Mapping[str, int] | None = None) -> list[Move]:
+def candidates(w: WindowStats, knobs: Knobs, spec: Spec, last_raise: Mapping[str, int] | None = None,
+               raised: Mapping[str, int] | None = None) -> list[Move]:
     """The moves worth simulating, the rules' own first, each inside the bounds and valid as a
     whole set; at most MAX_CANDIDATES. Unlike the rules alone, an ITL over target also tries
     halving the token budget and the concurrent partial prefills (with several prompts prefilling
@@ -105,9 +106,10 @@ def candidates(w: WindowStats, knobs: Knobs, spec: Spec, last_raise: Mapping[str
     several times the target needs more than one halving), and a raise of max_num_seqs is tried
     even with the KV cache nearly full (the replay shows whether preemptions eat the gain). A
     lower max_num_seqs is tried, as by the rules, only when the steps without prefill stall the
-    decode rows themselves (`WindowStats.decode_rows_stall`)."""
+    decode rows themselves (`WindowStats.decode_rows_stall`). None lowers a knob the autopilot's
+    raise in force raised (`raised`; `undoes_raise`), but the relax rule's own move."""
     rule = decide(w, knobs, spec, dict(last_raise or {}))
-    out = [rule] if rule is not None else []
+    out = [rule] if rule is not None and (relaxed(w, spec) or not undoes_raise(rule, knobs, raised)) else []
     ttft_over, itl_over = over_targets(w, spec)
     k = knobs.as_dict()
     if ttft_over:
@@ -129,7 +131,8 @@ def candidates(w: WindowStats, knobs: Knobs, spec: Spec, last_raise: Mapping[str
                 out.append(m)
     unique: dict[tuple[tuple[str, int], ...], Move] = {}
     for m in out:
-        unique.setdefault(_key(m), m)
+        if m is rule or not undoes_raise(m, knobs, raised):
+            unique.setdefault(_key(m), m)
     return list(unique.values())[:MAX_CANDIDATES]
 
 
@@ -189,7 +192,7 @@ def without_replay(iterations: Sequence[IterationStats], requests: Sequence[Requ
         cut = chunk_cut(iterations, knobs, spec, fixed, foresee=False, raised=raised)
         if cut is not None and cut.move is not None:
             return cut
-    if not candidates(w, knobs, spec, last_raise):
+    if not candidates(w, knobs, spec, last_raise, raised):
         hold = Choice(None, "hold: " + (nothing_helps(w) if any(over_targets(w, spec)) else "targets met"))
         return hold if ttft_kept else or_stall_cut(hold, iterations, knobs, spec, fixed, raised)
     return None
@@ -205,8 +208,10 @@ def replayed(iterations: Sequence[IterationStats], requests: Sequence[RequestSta
     engine the step-time model is keyed on); `raised`: as `without_replay`'s."""
     gaps = DecodeGaps.of(iterations)
     w = window_stats(iterations, requests, gaps)
-    moves = candidates(w, knobs, spec, last_raise)
+    moves = candidates(w, knobs, spec, last_raise, raised)
     rule = decide(w, knobs, spec, dict(last_raise or {}))
+    if rule is not None and _key(rule) not in {_key(m) for m in moves}:  # it undoes the raise in force
+        rule = None
     try:
         model = fit_window(iterations, fixed)
     except FitError as exc:

@@ -279,12 +279,28 @@ def decide(w: WindowStats, knobs: Knobs, spec: Spec, last_raise: dict[str, int] 
             return None
         return bounded_move(knobs, spec, "max_num_seqs", w.fewer_seqs(k["max_num_seqs"]),
                             f"{why}; decode-only steps' waits p99 {w.decode_wait_p99 * 1000:.0f} ms")
-    relaxed = all(w_v is None or t is None or w_v < RELAX * t for w_v, t in ((w.ttft_p99, ttft_t), (w.itl_p99, itl_t)))
-    if relaxed and last_raise:
+    if relaxed(w, spec) and last_raise:
         name, before = next(iter(last_raise.items()))
         return bounded_move(knobs, spec, name, before, f"TTFT and ITL p99 under {RELAX:.0%} of their targets: "
                                                f"giving back the last raise of {name}")
     return None
+
+
+def relaxed(w: WindowStats, spec: Spec) -> bool:
+    """Both percentiles of the window under RELAX x their targets (or without one): the relax
+    rule may give back the last raise."""
+    pairs = ((w.ttft_p99, spec.targets.get("ttft_p99")), (w.itl_p99, spec.targets.get("itl_p99")))
+    return all(value is None or target is None or value < RELAX * target for value, target in pairs)
+
+
+def undoes_raise(move: Move, knobs: Knobs, raised: Mapping[str, int] | None) -> bool:
+    """Whether `move` lowers a knob the autopilot's last raise still in force raised (`raised`:
+    {knob: its value before}). A raise is made for TTFT, where a limit held the queue; lowering it
+    for ITL gives the queue back and the TTFT rule raises it again (a flap: benchmarks/autopilot.py
+    run 68, max_num_partial_prefills 1→2 for a TTFT p99 of 6.1 s, and 14 s later a replay's 2→1 for
+    ITL). Only the relax rule gives a raise back."""
+    now = knobs.as_dict()
+    return bool(raised) and any(name in raised and value < now[name] for name, value in move.changes.items())
 
 
 def bounded_move(knobs: Knobs, spec: Spec, name: str, wanted: int, reason: str) -> Move | None:

@@ -354,9 +354,8 @@ def seqs_floor(spec: Spec, knobs: Knobs, raised: Mapping[str, int] | None = None
 
 def kept_raise(knobs: Knobs, name: str, raised: Mapping[str, int] | None) -> int:
     """The value `name` holds while the autopilot's last raise of it is in force (`raised`:
-    {knob: its value before}), else 0. A raise is made for TTFT, when a limit held the queue; a
-    stall cut that undid it would give the queue back, and the TTFT rule would raise it again (a
-    flap): only the relax rule gives a raise back, once both targets are well kept."""
+    {knob: its value before}), else 0: no stall cut undoes that raise (as no replayed candidate
+    does: autopilot_policy.undoes_raise)."""
     return knobs.as_dict()[name] if raised and name in raised else 0
 
 
