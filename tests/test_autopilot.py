@@ -536,7 +536,7 @@ def test_a_raise_of_prefills_at_once_must_keep_the_target_at_the_p99_with_the_er
     knobs = Knobs(long_prefill_token_threshold=64, max_num_partial_prefills=2, max_long_partial_prefills=1)
     spec = parse_spec(f"ttft_p99=1s,itl_p99={itl_ms}ms")
     prompts = [dataclasses.replace(request(T0, 1.9), prompt_tokens=600)]  # TTFT under twice its target
-    why = raise_stalls(model, [step], prompts, knobs, spec, Move({"max_long_partial_prefills": 2}, "TTFT"))
+    why = raise_stalls(model, [step], prompts, knobs, spec, Move({"max_long_partial_prefills": 2}, "TTFT"), 1.9)
     assert (why is not None) == barred
     if barred:
         assert why == ("max_long_partial_prefills 1→2 barred: 2 prefill chunks of 64 tokens beside the 4 decode rows "
@@ -556,7 +556,7 @@ def test_a_raise_of_prefills_at_once_is_not_barred_while_the_queue_starves(ttft_
     knobs = Knobs(long_prefill_token_threshold=64, max_num_partial_prefills=2, max_long_partial_prefills=1)
     prompts = [dataclasses.replace(request(T0 + i, ttft_s), prompt_tokens=600) for i in range(20)]
     why = raise_stalls(model, [step], prompts, knobs, parse_spec("ttft_p99=1s,itl_p99=200ms"),
-                       Move({"max_long_partial_prefills": 2}, "TTFT"))
+                       Move({"max_long_partial_prefills": 2}, "TTFT"), window_stats([step], prompts).ttft_p99)
     assert (why is not None) == barred
 
 

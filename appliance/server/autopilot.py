@@ -178,7 +178,7 @@ class Autopilot(StatsSink):
                 seq, spec = self._manual_seq, self.spec
                 # a raise is given back only once a whole window has been read under it (hysteresis:
                 # a burst that ends just after a raise does not undo it ten seconds later)
-                raised = dict(self._last_raise)  # in force: no stall cut undoes it (autopilot_stalls.kept_raise)
+                raised = dict(self._last_raise)  # in force: no stall cut undoes it (autopilot_policy.kept_raise)
                 last_raise = raised if now - self._last_move_at >= self.window_s else {}
             snap = self._knobs()
             if follow_up:  # only a stall seen under the cut deepens it: no foresight, no replay

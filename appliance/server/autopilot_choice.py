@@ -181,7 +181,7 @@ def without_replay(iterations: Sequence[IterationStats], requests: Sequence[Requ
     window has not yet); with TTFT p99 within its target, a prefill stall the chunk explains cuts
     it (the finished requests' figures miss the streams it stalled that are still in flight);
     no candidate move (hold). `raised`: the autopilot's last raise in force ({knob: its value
-    before}), which no stall cut undoes (autopilot_stalls.kept_raise)."""
+    before}), which no stall cut undoes (autopilot_policy.kept_raise)."""
     w = window_stats(iterations, requests)
     if w.requests < MIN_REQUESTS:
         return chunk_cut(iterations, knobs, spec, fixed, kept=kept, raised=raised) or Choice(
@@ -216,7 +216,8 @@ def replayed(iterations: Sequence[IterationStats], requests: Sequence[RequestSta
         model = fit_window(iterations, fixed)
     except FitError as exc:
         return rules_only(rule, f"{exc} in the window (the simulator needs {MIN_ROWS})")
-    barred = {_key(m): why for m in moves if (why := raise_stalls(model, iterations, requests, knobs, spec, m))}
+    barred = {_key(m): why for m in moves
+              if (why := raise_stalls(model, iterations, requests, knobs, spec, m, w.ttft_p99))}
     if rule is not None and _key(rule) in barred:  # the rules' move is the first candidate
         rule = None
     moves = [m for m in moves if _key(m) not in barred]

@@ -293,14 +293,19 @@ def relaxed(w: WindowStats, spec: Spec) -> bool:
     return all(value is None or target is None or value < RELAX * target for value, target in pairs)
 
 
+def kept_raise(knobs: Knobs, name: str, raised: Mapping[str, int] | None) -> int:
+    """The value `name` holds while the autopilot's last raise of it is in force (`raised`:
+    {knob: its value before}), else 0: the floor under which no move but the relax rule's takes it
+    (`undoes_raise`; the stall cuts' floors, autopilot_stalls). A raise is made for TTFT, where a
+    limit held the queue; lowering it for ITL gives the queue back and the TTFT rule raises it
+    again (a flap: benchmarks/autopilot.py run 68, max_num_partial_prefills 1→2 for a TTFT p99 of
+    6.1 s, and 14 s later a replay's 2→1 for ITL)."""
+    return knobs.as_dict()[name] if raised and name in raised else 0
+
+
 def undoes_raise(move: Move, knobs: Knobs, raised: Mapping[str, int] | None) -> bool:
-    """Whether `move` lowers a knob the autopilot's last raise still in force raised (`raised`:
-    {knob: its value before}). A raise is made for TTFT, where a limit held the queue; lowering it
-    for ITL gives the queue back and the TTFT rule raises it again (a flap: benchmarks/autopilot.py
-    run 68, max_num_partial_prefills 1→2 for a TTFT p99 of 6.1 s, and 14 s later a replay's 2→1 for
-    ITL). Only the relax rule gives a raise back."""
-    now = knobs.as_dict()
-    return bool(raised) and any(name in raised and value < now[name] for name, value in move.changes.items())
+    """Whether `move` lowers a knob under its `kept_raise` floor (only the relax rule may)."""
+    return any(value < kept_raise(knobs, name, raised) for name, value in move.changes.items())
 
 
 def bounded_move(knobs: Knobs, spec: Spec, name: str, wanted: int, reason: str) -> Move | None:

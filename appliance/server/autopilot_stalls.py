@@ -61,7 +61,8 @@ from appliance.engine.knobs import Knobs
 from appliance.records import IterationStats, RequestStats
 from appliance.sim.fit import Composition, EngineKey, FitError, StepTimeModel, composition_of, fit_step_time
 
-from .autopilot_policy import Choice, Move, Spec, bounded_move, decode_waits, p99, running_mean, seqs_demand
+from .autopilot_policy import (Choice, Move, Spec, bounded_move, decode_waits, kept_raise, running_mean,
+                               seqs_demand)
 
 KNOB = "long_prefill_token_threshold"
 SEQS = "max_num_seqs"
@@ -177,7 +178,7 @@ def foresight(iterations: Sequence[IterationStats], knobs: Knobs, spec: Spec, fi
 
 
 def raise_stalls(model: StepTimeModel, iterations: Sequence[IterationStats], requests: Sequence[RequestStats],
-                 knobs: Knobs, spec: Spec, move: Move) -> str | None:
+                 knobs: Knobs, spec: Spec, move: Move, ttft_p99: float | None) -> str | None:
     """Why `move` is barred, or None: it raises a limit on the prompts prefilled at once to n, and
     the heaviest decode step of the window with n prefill chunks beside it (each a whole chunk, or
     the window's longest prompt if shorter; within the token budget) would keep its decode rows
@@ -185,7 +186,7 @@ def raise_stalls(model: StepTimeModel, iterations: Sequence[IterationStats], req
     spare: the test a stall cut of that limit passes, so that no raise is made that the stall
     answer would cut again (benchmarks/autopilot.py run 61: a raise of max_long_partial_prefills
     allowed at the median, 1→2, and ten seconds later the stall cut max_num_partial_prefills to 2).
-    Not barred while the window's TTFT p99 is STARVED times its target or more: the queue then
+    Not barred while the window's TTFT p99 (`ttft_p99`) is STARVED times its target or more: the queue then
     misses the SLO for every request it holds whatever their streaming, and a stall cut does not
     undo the raise (`kept_raise`; benchmarks/autopilot.py run 66: with max_num_partial_prefills
     cut to 1 in the chat phase, the long prompts' phase held 100 % of the queue on that limit,
@@ -197,8 +198,7 @@ def raise_stalls(model: StepTimeModel, iterations: Sequence[IterationStats], req
     decoding = [composition_of(it.as_dict()) for it in iterations if it.decode_seqs > 0]
     if not target or not raised or not decoding or not requests:
         return None
-    ttft = p99([r.first_token - r.arrival for r in requests if r.first_token is not None])
-    if ttft_target and ttft is not None and ttft >= STARVED * ttft_target:
+    if ttft_target and ttft_p99 is not None and ttft_p99 >= STARVED * ttft_target:
         return None
     name, n = max(raised, key=lambda r: r[1])
     after = knobs.with_changes(move.changes)
@@ -350,13 +350,6 @@ def seqs_floor(spec: Spec, knobs: Knobs, raised: Mapping[str, int] | None = None
     """The smallest max_num_seqs a cut goes to: the operator's lower bound, and not under the
     limit now while the autopilot's raise of it is in force (`raised`, see `kept_raise`)."""
     return max(1, spec.bounds.get(SEQS, (1, 0))[0], kept_raise(knobs, SEQS, raised))
-
-
-def kept_raise(knobs: Knobs, name: str, raised: Mapping[str, int] | None) -> int:
-    """The value `name` holds while the autopilot's last raise of it is in force (`raised`:
-    {knob: its value before}), else 0: no stall cut undoes that raise (as no replayed candidate
-    does: autopilot_policy.undoes_raise)."""
-    return knobs.as_dict()[name] if raised and name in raised else 0
 
 
 def floor_of(spec: Spec, fixed: Mapping[str, Any]) -> int:
