@@ -682,6 +682,26 @@ def test_a_chunk_the_step_time_model_foresees_stalling_decode_is_cut_before_it_d
     assert prediction["foreseen_wait_s"] > 0.15 >= prediction["predicted_wait_s"]["128"]
 
 
+@pytest.mark.parametrize("itl_ms, chunk", [(230, 176), (270, None)])
+def test_foresight_prices_a_whole_chunk_at_the_tail_of_the_fits_spread(itl_ms, chunk):
+    # steps spread +-20 % (seeded): a whole 256-token chunk beside the 6 decode rows the window
+    # ran is predicted at about 215 ms at the median of the fit's spread and 260 ms at its tail.
+    # 230 ms: kept at the median, missed at the tail (where a stall of it would be judged the
+    # chunk's): cut, to 176 (201 ms at the p99, with the error to spare); 270 ms: kept at the tail
+    ap, engine = pilot(f"ttft_p99=5s,itl_p99={itl_ms}ms", fixed=FIXED, window_s=300, long_prefill_token_threshold=256)
+    end = stalling_window(ap, chunks=(64,), jitter=0.2)
+    move = ap.tick(end + 1)
+    if chunk is None:
+        assert move is None and engine.version == 0
+        return
+    assert move is not None and engine.knobs.long_prefill_token_threshold == chunk
+    last = ap.view()["moves"][-1]
+    assert "foreseen: 1 whole 256-token chunk(s) beside the 6 decode rows" in last["reason"]
+    assert "at the tail of the step-time model's spread" in last["reason"]
+    prediction = last["prediction"]
+    assert prediction["foreseen_wait_s"] > itl_ms / 1000 >= prediction["predicted_wait_s"][str(chunk)]
+
+
 @pytest.mark.parametrize("n, cut", [(200, True), (20, False)])
 def test_a_window_that_starts_empty_foresees_with_the_engines_steps_from_before_it(n, cut):
     # the steps ran (64-token chunks, no stall) and left the 30 s window; a whole 256-token chunk

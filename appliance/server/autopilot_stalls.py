@@ -30,8 +30,11 @@ server's process, which the engine's thread then waits on for the GIL), and a fi
 spaced out like a replay.
 
 The model also sees a stall coming (`foresight`): a whole chunk beside the most decode rows the
-window has run (one, before any has) is predicted; a chunk whose step would miss the target even
-at the median of the fit's spread is cut the same way before the first prompt that long arrives.
+window has run (one, before any has) is predicted; a chunk whose step would miss the target at the
+tail of the fit's spread (the quantile that judges a stall the chunk's) is cut the same way before
+the first prompt that long arrives (benchmarks/autopilot.py run 75: a whole 256-token chunk priced
+just under the 150 ms target at the median did not fire, and 14 chat requests missed ITL before
+stalls of 154-254 ms cut it).
 The model is the window's own once the window has priced prefill tokens, else the one fitted on
 the engine's latest steps from before it (`kept`: what a step costs is the machine's and the
 model's, whichever knobs shaped it), so that a window that starts empty (when the autopilot is
@@ -69,7 +72,7 @@ SEQS = "max_num_seqs"
 PREFILLS = "max_num_partial_prefills"
 PREFILLS_AT_ONCE = (PREFILLS, "max_long_partial_prefills")
 TAIL = 0.99  # the quantile of the fit's spread a stall is predicted at (the target is a p99)
-MEDIAN = 0.5  # ...and a stall foreseen, before any has happened
+MEDIAN = 0.5  # ...and the deepest cut the bounds allow, when none keeps the target at TAIL
 MIN_PREFILL_STEPS = 3  # a window prices prefill tokens once this many of its steps carried some
 STARVED = 2.0  # TTFT p99 at this many times its target: a raise for it is not barred by the stall it makes
 
@@ -143,8 +146,9 @@ def foresight(iterations: Sequence[IterationStats], knobs: Knobs, spec: Spec, fi
     of its steps carried prefill tokens, else one on the engine's `kept` steps from before the
     window) predicts the heaviest decode step the window holds (one decode row, before it holds
     any) with each of its prefills (at least one) a whole chunk, within the token budget; if that
-    step's decode rows would wait longer than the ITL target even at the median of the fit's
-    spread, the chunk is cut as a stall would cut it, before the first long prompt makes one.
+    step's decode rows would wait longer than the ITL target at the tail of the fit's spread
+    (`tail_quantile`, as a stall is judged the chunk's), the chunk is cut as a stall would cut it,
+    before the first long prompt makes one.
     With the chunk at its bound, the step predicted is the one the limit on prompts prefilled at
     once allows (that many whole chunks), and that limit is cut as a stall of it would cut it (the
     same foresight bars raising it there: `raise_stalls`), never under a raise in force (`raised`).
@@ -163,18 +167,19 @@ def foresight(iterations: Sequence[IterationStats], knobs: Knobs, spec: Spec, fi
         return replace(c, prefill_seqs=prompts,
                        prefill_tokens=max(c.prefill_tokens, knobs.max_num_batched_tokens - c.decode_rows))
 
+    tail = tail_quantile(model.rows_used)
     ahead = max(map(with_full_chunks, decoding or [Composition(1, 0, 0, chunk)]),
-                key=lambda c: wait_at(model, c, chunk, MEDIAN))
-    if (median := wait_at(model, ahead, chunk, MEDIAN)) <= target:
+                key=lambda c: wait_at(model, c, chunk, tail))
+    if (wait := wait_at(model, ahead, chunk, tail)) <= target:
         return None
     beside = f"the {ahead.decode_rows} decode rows the window has run" if decoding else "one decode row"
     fitted = "" if own else ", fitted on the engine's steps before this window"
     seen = f"foreseen: {ahead.prefill_seqs} whole {chunk}-token chunk(s) beside {beside} would keep them waiting " \
-           f"{median * 1000:.0f} ms at the median of the step-time model's spread{fitted} (ITL target " \
+           f"{wait * 1000:.0f} ms at the tail of the step-time model's spread{fitted} (ITL target " \
            f"{target * 1000:.0f} ms)"
     if at_floor:
-        return prefills_cut(model, ahead, knobs, spec, seen, {"foreseen_wait_s": median}, raised)
-    return deepest_needed(model, ahead, knobs, spec, fixed, seen, {"foreseen_wait_s": median})
+        return prefills_cut(model, ahead, knobs, spec, seen, {"foreseen_wait_s": wait}, raised)
+    return deepest_needed(model, ahead, knobs, spec, fixed, seen, {"foreseen_wait_s": wait})
 
 
 def raise_stalls(model: StepTimeModel, iterations: Sequence[IterationStats], requests: Sequence[RequestStats],
