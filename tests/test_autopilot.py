@@ -704,9 +704,10 @@ def test_foresight_prices_a_whole_chunk_at_the_tail_of_the_fits_spread(itl_ms, c
 
 @pytest.mark.parametrize("n, cut", [(200, True), (20, False)])
 def test_a_window_that_starts_empty_foresees_with_the_engines_steps_from_before_it(n, cut):
-    # the steps ran (64-token chunks, no stall) and left the 30 s window; a whole 256-token chunk
-    # beside one decode row would keep it waiting 202 ms at the median, one of 176 tokens 150 ms
-    # (160 tokens: 142). 20 steps: only two carried prefill tokens, too few to price them
+    # the steps ran (64-token chunks beside 2-6 decode rows, no stall) and left the 30 s window,
+    # which holds no decode step: a whole 256-token chunk beside the 6 decode rows the engine ran
+    # before it (their context grown since) would keep them waiting 225 ms, one of 128 tokens
+    # 141 ms (144 tokens: 151). 20 steps: only two carried prefill tokens, too few to price them
     ap, engine = pilot("ttft_p99=5s,itl_p99=150ms", fixed=FIXED, window_s=30, long_prefill_token_threshold=256)
     end = stalling_window(ap, n=n, chunks=(64,))
     assert (ap.tick(end + 60) is not None) is cut
@@ -714,12 +715,13 @@ def test_a_window_that_starts_empty_foresees_with_the_engines_steps_from_before_
         assert engine.version == 0
         assert ap.view()["last_decision"]["reason"] == "hold: 0 finished request(s) in the window, at least 5 needed"
         return
-    assert engine.knobs.long_prefill_token_threshold == 176
+    assert engine.knobs.long_prefill_token_threshold == 128
     last = ap.view()["moves"][-1]
-    assert last["reason"].startswith("long_prefill_token_threshold 256→176: foreseen: 1 whole 256-token chunk(s) "
-                                     "beside one decode row would keep them waiting ")
+    assert last["reason"].startswith("long_prefill_token_threshold 256→128: foreseen: 1 whole 256-token chunk(s) "
+                                     "beside the 6 decode rows the engine ran before this window would keep them "
+                                     "waiting ")
     assert "fitted on the engine's steps before this window" in last["reason"]
-    assert last["prediction"]["foreseen_wait_s"] > 0.15 >= last["prediction"]["predicted_wait_s"]["176"]
+    assert last["prediction"]["foreseen_wait_s"] > 0.15 >= last["prediction"]["predicted_wait_s"]["128"]
 
 
 def test_a_chunk_cut_still_stalled_under_is_cut_deeper_inside_the_cooldown():

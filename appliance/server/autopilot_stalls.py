@@ -30,7 +30,9 @@ server's process, which the engine's thread then waits on for the GIL), and a fi
 spaced out like a replay.
 
 The model also sees a stall coming (`foresight`): a whole chunk beside the most decode rows the
-window has run (one, before any has) is predicted; a chunk whose step would miss the target at the
+window has run (before any has, the most the engine ran in its latest steps before the window:
+benchmarks/autopilot.py run 77, priced beside one decode row, a 256-token chunk was cut to 224
+only, and 13 chat requests missed ITL before a stall cut it to 80; else one) is predicted; a chunk whose step would miss the target at the
 tail of the fit's spread (the quantile that judges a stall the chunk's) is cut the same way before
 the first prompt that long arrives (benchmarks/autopilot.py run 75: a whole 256-token chunk priced
 just under the 150 ms target at the median did not fire, and 14 chat requests missed ITL before
@@ -144,8 +146,9 @@ def foresight(iterations: Sequence[IterationStats], knobs: Knobs, spec: Spec, fi
     """Before the chunk has stalled decoding: it bounds the step a long prompt makes beside the
     decode rows in flight. The model (`model`, else the window's own fit once MIN_PREFILL_STEPS
     of its steps carried prefill tokens, else one on the engine's `kept` steps from before the
-    window) predicts the heaviest decode step the window holds (one decode row, before it holds
-    any) with each of its prefills (at least one) a whole chunk, within the token budget; if that
+    window) predicts the heaviest decode step the window holds (before it holds any, the heaviest
+    of the engine's `kept` steps: the traffic in flight when the window started, else one decode
+    row) with each of its prefills (at least one) a whole chunk, within the token budget; if that
     step's decode rows would wait longer than the ITL target at the tail of the fit's spread
     (`tail_quantile`, as a stall is judged the chunk's), the chunk is cut as a stall would cut it,
     before the first long prompt makes one.
@@ -161,6 +164,7 @@ def foresight(iterations: Sequence[IterationStats], knobs: Knobs, spec: Spec, fi
     if (model := own or priced(kept, fixed)) is None:
         return None
     decoding = [composition_of(it.as_dict()) for it in iterations if it.decode_seqs > 0]
+    before = not decoding and bool(decoding := [composition_of(it.as_dict()) for it in kept if it.decode_seqs > 0])
 
     def with_full_chunks(c: Composition) -> Composition:
         prompts = knobs.max_num_partial_prefills if at_floor else max(1, c.prefill_seqs)
@@ -172,7 +176,8 @@ def foresight(iterations: Sequence[IterationStats], knobs: Knobs, spec: Spec, fi
                 key=lambda c: wait_at(model, c, chunk, tail))
     if (wait := wait_at(model, ahead, chunk, tail)) <= target:
         return None
-    beside = f"the {ahead.decode_rows} decode rows the window has run" if decoding else "one decode row"
+    beside = (f"the {ahead.decode_rows} decode rows the {'engine ran before this window' if before else 'window has run'}"
+              if decoding else "one decode row")
     fitted = "" if own else ", fitted on the engine's steps before this window"
     seen = f"foreseen: {ahead.prefill_seqs} whole {chunk}-token chunk(s) beside {beside} would keep them waiting " \
            f"{wait * 1000:.0f} ms at the tail of the step-time model's spread{fitted} (ITL target " \
