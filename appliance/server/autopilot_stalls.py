@@ -30,13 +30,13 @@ server's process, which the engine's thread then waits on for the GIL), and a fi
 spaced out like a replay.
 
 The model also sees a stall coming (`foresight`): a whole chunk beside the most decode rows the
-window has run (before any has, the most the engine ran in its latest steps before the window:
-benchmarks/autopilot.py run 77, priced beside one decode row, a 256-token chunk was cut to 224
-only, and 13 chat requests missed ITL before a stall cut it to 80; else one) is predicted; a chunk whose step would miss the target at the
-tail of the fit's spread (the quantile that judges a stall the chunk's) is cut the same way before
-the first prompt that long arrives (benchmarks/autopilot.py run 75: a whole 256-token chunk priced
-just under the 150 ms target at the median did not fire, and 14 chat requests missed ITL before
-stalls of 154-254 ms cut it).
+window has run is predicted (before it has run any, the most the engine ran in its latest steps
+before the window, else one: benchmarks/autopilot.py run 77, priced beside one decode row, cut a
+256-token chunk to 224 only, and 13 chat requests missed ITL before a stall cut it to 80); a
+chunk whose step would miss the target at the tail of the fit's spread (the quantile that judges
+a stall the chunk's) is cut the same way before the first prompt that long arrives
+(benchmarks/autopilot.py run 75: a whole 256-token chunk priced just under the 150 ms target at
+the median did not fire, and 14 chat requests missed ITL before stalls of 154-254 ms cut it).
 The model is the window's own once the window has priced prefill tokens, else the one fitted on
 the engine's latest steps from before it (`kept`: what a step costs is the machine's and the
 model's, whichever knobs shaped it), so that a window that starts empty (when the autopilot is
@@ -164,7 +164,9 @@ def foresight(iterations: Sequence[IterationStats], knobs: Knobs, spec: Spec, fi
     if (model := own or priced(kept, fixed)) is None:
         return None
     decoding = [composition_of(it.as_dict()) for it in iterations if it.decode_seqs > 0]
-    before = not decoding and bool(decoding := [composition_of(it.as_dict()) for it in kept if it.decode_seqs > 0])
+    before = not decoding  # the window has run no decode step: the traffic in flight as it started
+    if before:
+        decoding = [composition_of(it.as_dict()) for it in kept if it.decode_seqs > 0]
 
     def with_full_chunks(c: Composition) -> Composition:
         prompts = knobs.max_num_partial_prefills if at_floor else max(1, c.prefill_seqs)
