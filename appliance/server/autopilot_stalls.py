@@ -174,12 +174,17 @@ def foresight(iterations: Sequence[IterationStats], knobs: Knobs, spec: Spec, fi
                        prefill_tokens=max(c.prefill_tokens, knobs.max_num_batched_tokens - c.decode_rows))
 
     tail = tail_quantile(model.rows_used)
-    ahead = max(map(with_full_chunks, decoding or [Composition(1, 0, 0, chunk)]),
-                key=lambda c: wait_at(model, c, chunk, tail))
-    if (wait := wait_at(model, ahead, chunk, tail)) <= target:
+    steps = [with_full_chunks(c) for c in decoding or [Composition(1, 0, 0, chunk)]]
+    waits = [wait_at(model, c, chunk, tail) for c in steps]
+    if (wait := max(waits)) <= target:
         return None
-    beside = (f"the {ahead.decode_rows} decode rows the {'engine ran before this window' if before else 'window has run'}"
-              if decoding else "one decode row")
+    ahead = steps[waits.index(wait)]
+    if not decoding:
+        beside = "one decode row"
+    elif before:
+        beside = f"the {ahead.decode_rows} decode rows the engine ran before this window"
+    else:
+        beside = f"the {ahead.decode_rows} decode rows the window has run"
     fitted = "" if own else ", fitted on the engine's steps before this window"
     seen = f"foreseen: {ahead.prefill_seqs} whole {chunk}-token chunk(s) beside {beside} would keep them waiting " \
            f"{wait * 1000:.0f} ms at the tail of the step-time model's spread{fitted} (ITL target " \
