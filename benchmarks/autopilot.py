@@ -56,7 +56,7 @@ from appliance.bench.runner import BenchmarkRun, run_benchmark
 from appliance.bench.tune import TUNED, Grid, run_sweep
 from appliance.bench.workloads import BenchRequest, skewed_corpus_ids
 from appliance.sim import whatif
-from appliance.sim.rank import rank_grid
+from appliance.sim.rank import SLOWER, rank_grid
 from appliance.sim.records import load_run
 
 SERVE_ARGS = ("--num-blocks", "512", "--max-model-len", "1280", "--no-enable-prefix-caching")
@@ -115,7 +115,8 @@ def verified_points(url: str, db: str, requests: list[BenchRequest], slo: SLO, f
     model = whatif.fit_for_run(db, run)
     sim = whatif.workload_requests(requests, None, 0)
     ranked, _ = rank_grid(run, model, GRID.points(), sim, slo, attainment)
-    print(f"ranked {len(ranked)} grid points in simulation (step-time held-out error "
+    print(f"ranked {len(ranked)} grid points in simulation at {SLOWER:g}x the step-time model's times "
+          f"(its held-out error "
           f"{model.heldout_mape:.1%}); measuring the top {verify} live", file=sys.stderr, flush=True)
     result = run_sweep(requests, slo, base_url=url, grid=GRID, points=[p.knobs for p in ranked[:verify]],
                        attainment=attainment, db_url=db, workload="shifting",

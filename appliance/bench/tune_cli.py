@@ -73,7 +73,7 @@ def _simulated_points(args: argparse.Namespace, requests: list, grid: Grid) -> t
     predictions of every ranked point, by label."""
     from appliance.sim import whatif
     from appliance.sim.fit import EngineKey
-    from appliance.sim.rank import rank_grid
+    from appliance.sim.rank import SLOWER, rank_grid
     from appliance.sim.records import load_run
 
     run = load_run(db_url(args.db), args.simulate)
@@ -91,7 +91,8 @@ def _simulated_points(args: argparse.Namespace, requests: list, grid: Grid) -> t
     ranked, invalid = rank_grid(run, model, grid.points(), sim_requests, args.slo, args.attainment, args.concurrency)
     if not ranked:
         raise ValueError(f"no valid point in the grid: {invalid[0][1] if invalid else 'empty grid'}")
-    print(f"ranked {len(ranked)} grid points in simulation (step-time model held-out error "
+    print(f"ranked {len(ranked)} grid points in simulation at {SLOWER:g}x the step-time model's times "
+          f"(its held-out error "
           f"{model.heldout_mape * 100:.1f} %); measuring the top {min(args.verify, len(ranked))} live",
           file=sys.stderr, flush=True)
     return [p.knobs for p in ranked[: args.verify]], {_label(p.knobs): p.predicted for p in ranked}

@@ -1,0 +1,52 @@
+"""Ranking a tuning grid in simulation (appliance.sim.rank): hand-built step-time model and
+workload, no model weights."""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+from appliance.bench.metrics import SLO
+from appliance.engine.knobs import Knobs
+from appliance.sim.fit import INTERCEPT, EngineKey, StepTimeModel
+from appliance.sim.rank import SLOWER, rank_grid
+from appliance.sim.replay import CacheShape, SimRequest
+
+# a step: 10 ms + 2 ms per decode row + 1 ms per prefill token
+MODEL = StepTimeModel(EngineKey("m", "float32", "cpu"),
+                      {INTERCEPT: 0.01, "decode_rows": 0.002, "prefill_tokens": 0.001, "prefill_seqs": 0.0,
+                       "decode_context_tokens": 0.0}, 0.0005, "test", 0, 0, 0.0, 0.0)
+RUN = SimpleNamespace(knobs=Knobs(max_num_seqs=16, max_num_batched_tokens=256, long_prefill_token_threshold=64),
+                      cache=CacheShape(1024, 16, 1024))
+
+
+def poisson(rate: float, seconds: float, seed: int = 3) -> list[SimRequest]:
+    rng, t, out = random.Random(seed), 0.0, []
+    while (t := t + rng.expovariate(rate)) < seconds:
+        out.append(SimRequest(t, 10, 40))
+    return out
+
+
+def test_a_point_that_keeps_the_slo_only_at_the_models_own_times_ranks_below_one_with_headroom():
+    # 4 requests/s of 40 tokens each: 4 sequences at once serve ~5.3/s at the model's times (a
+    # short queue) and ~4.4/s at 1.2x them (close to the arrival rate: the queue grows); 16 at
+    # once serve either with room to spare
+    ranked, invalid = rank_grid(RUN, MODEL, [{"max_num_seqs": 4}, {"max_num_seqs": 16}], poisson(4.0, 60.0),
+                                SLO(ttft=1.0), attainment=0.9)
+    assert not invalid
+    by_seqs = {p.knobs["max_num_seqs"]: p for p in ranked}
+    assert by_seqs[4].predicted["meets_slo"] and not by_seqs[4].slower["meets_slo"]
+    assert by_seqs[4].slower["ttft_p99"] > 2 * by_seqs[4].predicted["ttft_p99"]
+    assert by_seqs[16].predicted["meets_slo"] and by_seqs[16].slower["meets_slo"]
+    assert [p.knobs["max_num_seqs"] for p in ranked] == [16, 4]
+    assert all(p.key == (bool(p.slower["meets_slo"]), p.slower["goodput"], p.slower["output_throughput"])
+               for p in ranked)
+
+
+def test_the_slower_replay_is_the_same_replay_with_every_step_longer():
+    requests = poisson(2.0, 20.0)
+    same, _ = rank_grid(RUN, MODEL, [{"max_num_seqs": 8}], requests, SLO(ttft=1.0), 0.9, slower=1.0)
+    assert same[0].slower == same[0].predicted
+    slow, _ = rank_grid(RUN, MODEL, [{"max_num_seqs": 8}], requests, SLO(ttft=1.0), 0.9)
+    assert slow[0].predicted == same[0].predicted
+    assert slow[0].slower["itl_p99"] > slow[0].predicted["itl_p99"] * (1 + (SLOWER - 1) / 2)
