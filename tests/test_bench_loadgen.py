@@ -7,6 +7,7 @@ modes, duration limit and cancellation.
 from __future__ import annotations
 
 import asyncio
+import gc
 import statistics
 import threading
 import time
@@ -258,6 +259,29 @@ def test_progress_callback_sees_every_request(fake):
     last = seen[-1]
     assert last.ok == 5 and last.failed == 0 and last.in_flight == 0
     assert last.output_tokens == 10 and last.output_throughput > 0
+
+
+def test_the_heap_alive_before_a_run_is_frozen_while_it_is_timed_and_given_back_after(fake):
+    url, _ = fake
+    assert gc.get_freeze_count() == 0, "this test process froze its heap before the test"
+    during: list[int] = []
+    run(LoadGenerator(text_requests(3, output_len=2), base_url=url,
+                      progress=lambda p: during.append(gc.get_freeze_count())))
+    assert len(during) == 4 and min(during) > 0  # the run's start and each finished request
+    assert gc.get_freeze_count() == 0
+    # a process that froze its own heap (as `appliance serve` does) keeps it frozen, and what it
+    # made after that (1000 lists) is not frozen by the run; frozen objects freed by reference
+    # counting leave the count
+    gc.freeze()
+    try:
+        frozen, young = gc.get_freeze_count(), [[] for _ in range(1000)]
+        during.clear()
+        run(LoadGenerator(text_requests(2, output_len=2), base_url=url,
+                          progress=lambda p: during.append(gc.get_freeze_count())))
+        assert len(during) == 3 and all(frozen - 1000 < n <= frozen for n in during + [gc.get_freeze_count()])
+        assert len(young) == 1000
+    finally:
+        gc.unfreeze()
 
 
 # ------------------------------------------------------------------------- closed loops (chat)

@@ -20,13 +20,15 @@ and counted as "cancelled", and unsent ones as not sent.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
 import itertools
 import json
 import random
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterable, AsyncIterator, Callable, Sequence
+from typing import Any, AsyncIterable, AsyncIterator, Callable, Iterator, Sequence
 
 import httpx
 
@@ -271,13 +273,14 @@ class LoadGenerator:
             knobs = await fetch_knobs(client) if self.appliance_server is not False else None
             ours = knobs is not None if self.appliance_server is None else self.appliance_server
             replica_id = await fetch_replica_id(client) if ours else None
-            started_at = time.time()
-            if on_start is not None:
-                on_start(RunStart(model, ours, knobs, replica_id, started_at))
-            self._t0 = time.perf_counter()
-            self._report()
-            stopped = await self._run_until_stopped(client, model, run_id, ours)
-            duration = time.perf_counter() - self._t0
+            with heap_frozen():
+                started_at = time.time()
+                if on_start is not None:
+                    on_start(RunStart(model, ours, knobs, replica_id, started_at))
+                self._t0 = time.perf_counter()
+                self._report()
+                stopped = await self._run_until_stopped(client, model, run_id, ours)
+                duration = time.perf_counter() - self._t0
             finished_at = time.time()
             changes = await self._knob_changes(client, started_at, finished_at) if ours else []
         results = sorted(self._results, key=lambda r: r.index)
@@ -478,6 +481,28 @@ class LoadGenerator:
             elapsed_s=time.perf_counter() - self._t0,
             output_tokens=sum(r.output_tokens or 0 for r in ok),
         ))
+
+
+@contextlib.contextmanager
+def heap_frozen() -> Iterator[None]:
+    """While a run is timed, the objects alive before it are out of the cyclic garbage
+    collector's sight (`gc.freeze`): a full collection pauses this whole process, so every stream
+    in flight at once, and that pause would count in the gaps and TTFTs the run measures as if
+    the server had made it (benchmarks/autopilot.py run 83: each of the three full collections
+    of 146-167 ms in the benchmark's process while a way was timed came with ITL misses in the
+    same tenth of a second, 1, 3 and 5 requests with gaps of 158-174 ms, and no engine step that
+    long). Objects frozen here that become garbage during the run are still freed by
+    reference counting. A process that froze its heap already (`appliance serve`, whose
+    dashboard runs load tests) is left as it is; any other gets its heap back after the run."""
+    if gc.get_freeze_count():
+        yield
+        return
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def _fail(result: RequestResult, kind: str, message: str) -> None:
