@@ -235,13 +235,20 @@ def test_duration_limit_cancels_outstanding_and_counts_unsent(fake):
 def test_cancel_from_another_thread_and_before_start(fake):
     url, state = fake
     state.token_delay = 0.05
-    gen = LoadGenerator(text_requests(4, output_len=200), base_url=url)
-    timer = threading.Timer(0.3, gen.cancel)
-    timer.start()
+    gen = LoadGenerator(text_requests(4, output_len=200), base_url=url)  # 10 s of streaming each
+
+    def cancel_once_all_stream() -> None:
+        deadline = time.monotonic() + 10
+        while state.in_flight < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        gen.cancel()
+
+    canceller = threading.Thread(target=cancel_once_all_stream)
+    canceller.start()
     out = run(gen)
-    timer.join()
+    canceller.join()
     assert out.stopped == "cancelled" and out.summary.errors == {"cancelled": 4}
-    assert out.summary.duration_s < 2
+    assert out.summary.duration_s < 5
 
     early = LoadGenerator(text_requests(3), base_url=url)
     early.cancel()

@@ -491,13 +491,13 @@ def heap_frozen() -> Iterator[None]:
     the server had made it (benchmarks/autopilot.py run 83: each of the three full collections
     of 146-167 ms in the benchmark's process while a way was timed came with ITL misses in the
     same tenth of a second, 1, 3 and 5 requests with gaps of 158-174 ms, and no engine step that
-    long). Objects frozen here that become garbage during the run are still freed by
-    reference counting. A process that froze its heap already (`appliance serve`, whose
-    dashboard runs load tests) is left as it is; any other gets its heap back after the run."""
+    long). No collection is made first (it would delay the run's start by the same pause):
+    objects frozen here that become garbage during the run are still freed by reference counting,
+    and cycles among them once the heap is given back after the run. A process that froze its
+    heap already (`appliance serve`, whose dashboard runs load tests) is left as it is."""
     if gc.get_freeze_count():
         yield
         return
-    gc.collect()
     gc.freeze()
     try:
         yield
