@@ -92,8 +92,7 @@ def _simulated_points(args: argparse.Namespace, requests: list, grid: Grid) -> t
     if not ranked:
         raise ValueError(f"no valid point in the grid: {invalid[0][1] if invalid else 'empty grid'}")
     print(f"ranked {len(ranked)} grid points in simulation at {SLOWER:g}x the step-time model's times "
-          f"(its held-out error "
-          f"{model.heldout_mape * 100:.1f} %); measuring the top {min(args.verify, len(ranked))} live",
+          f"(its held-out error {model.heldout_mape * 100:.1f} %); measuring the top {min(args.verify, len(ranked))} live",
           file=sys.stderr, flush=True)
     return [p.knobs for p in ranked[: args.verify]], {_label(p.knobs): p.predicted for p in ranked}
 
