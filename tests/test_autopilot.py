@@ -490,25 +490,31 @@ def test_a_target_kept_by_less_than_the_models_error_does_not_count_as_kept():
     assert pick(tried, spec, headroom=0.15)[0].changes == {"long_prefill_token_threshold": 64}
 
 
-@pytest.mark.parametrize("per_token_ms, rate, ttft_s, raised", [(1.0, 2.0, 10, False), (1.0, 2.0, 7, None),
-                                                                  (0.1, 4.0, 2, True)])
-def test_a_raise_of_prefills_at_once_that_would_stall_every_stream_is_barred(per_token_ms, rate, ttft_s, raised):
+@pytest.mark.parametrize("per_token_ms, rate, ttft_s, cut_by, raised", [
+    (1.0, 2.0, 10, None, False), (1.0, 2.0, 7, None, False), (1.0, 2.0, 7, SOURCE, None),
+    (1.0, 2.0, 7, "admin", False), (0.1, 4.0, 2, None, True)])
+def test_a_raise_of_prefills_at_once_that_would_stall_every_stream_is_barred(per_token_ms, rate, ttft_s, cut_by,
+                                                                             raised):
     # 600-token prompts queue behind one long prefill at a time (TTFT over target, the long
     # partial-prefill limit holding them). At 1 ms per prefill token a second 64-token chunk beside
     # the decode rows makes a step of ~170 ms, over the 150 ms ITL target: every stream in flight
     # would pay for the queued prompts' first tokens, so the raise is barred while TTFT p99 (15 s)
-    # is under twice its target (10 s); at 7 s the queue starves: the raise is not barred, and the
-    # replays weigh it (None: they may hold). At 0.1 ms per token two chunks cost ~40 ms: the
-    # raise goes ahead
+    # is under twice its target (10 s). At 7 s the queue starves: a raise back to the operator's
+    # value (2 at the switch-on, cut to 1 by the autopilot itself) is not barred, and the replays
+    # weigh it (None: they may hold); past the operator's value (1 from the start, or set to 1 by
+    # a person's PATCH) it still is. At 0.1 ms per token two chunks cost ~40 ms: the raise goes ahead
     ap, engine = pilot(f"ttft_p99={ttft_s}s,itl_p99=150ms,max_long_partial_prefills=1..2", fixed=FIXED,
                        window_s=300, long_prefill_token_threshold=64, max_num_partial_prefills=2,
-                       max_long_partial_prefills=1)
+                       max_long_partial_prefills=1 if cut_by is None else 2)
+    if cut_by is not None:
+        engine.apply({"max_long_partial_prefills": 1}, source=cut_by, at=T0 - 100)  # a person's is held out by then
     end = scripted_window(ap, engine.knobs, true_engine(prefill_tokens=per_token_ms / 1000), n=40, rate=rate,
                           prompt=600, output=32)
     stats = window_stats(list(ap._iterations), list(ap._requests))
     assert max(stats.held_s, key=stats.held_s.get) is HoldCause.LONG_PARTIAL_PREFILLS and stats.ttft_p99 > ttft_s
-    assert (stats.ttft_p99 >= STARVED * ttft_s) == (raised is None)
+    assert (stats.ttft_p99 >= STARVED * ttft_s) == (ttft_s == 7)
     assert decide(stats, engine.knobs, ap.spec).changes == {"max_long_partial_prefills": 2}  # the rules alone would
+    version = engine.version
     move = ap.tick(end + 1)
     if raised is None:
         assert "barred" not in ap.view()["last_decision"]["reason"]
@@ -516,11 +522,12 @@ def test_a_raise_of_prefills_at_once_that_would_stall_every_stream_is_barred(per
         assert move is not None and engine.knobs.max_long_partial_prefills == 2
         assert ap.view()["moves"][-1]["prediction"]["barred"] == []
     else:
-        assert move is None and engine.version == 0
+        assert move is None and engine.version == version
         reason = ap.view()["last_decision"]["reason"]
         assert reason.startswith("hold: max_long_partial_prefills 1→2 barred: 2 prefill chunks of 64 tokens beside the ")
         wait_ms = int(reason.split("waiting ")[1].split(" ms")[0])
         assert 150 < wait_ms < 250
+        assert ("but 2 is past the operator's 1" in reason) == (stats.ttft_p99 >= STARVED * ttft_s)
 
 
 @pytest.mark.parametrize("itl_ms, heldout_mape, barred", [(200, 0.0, True), (250, 0.0, False), (250, 0.1, True)])
@@ -544,11 +551,13 @@ def test_a_raise_of_prefills_at_once_must_keep_the_target_at_the_p99_with_the_er
                        f"(held-out error {heldout_mape:.0%}; ITL target {itl_ms} ms)")
 
 
-@pytest.mark.parametrize("ttft_s, barred", [(1.9, True), (2.0, False)])
-def test_a_raise_of_prefills_at_once_is_not_barred_while_the_queue_starves(ttft_s, barred):
+@pytest.mark.parametrize("ttft_s, operator, barred", [(1.9, 2, True), (2.0, 2, False), (2.0, 1, True), (2.0, None, True)])
+def test_a_raise_of_prefills_at_once_is_not_barred_while_the_queue_starves(ttft_s, operator, barred):
     # as above at 200 ms (two chunks kept at the median only): barred while the window's TTFT p99
     # is under twice its 1 s target; at twice it, every request the queue holds has missed the SLO
-    # already, and the raise that lets them in is not barred by the stall it makes
+    # already, and a raise that lets them in up to the operator's value of the limit (2: the
+    # autopilot's own cut to 1 given back) is not barred by the stall it makes; one past the
+    # operator's value (1), or with no operator's values given, still is
     from appliance.server.autopilot_stalls import raise_stalls
 
     model = replace(true_engine(prefill_tokens=0.001), noise=(0.8, 1.0, 1.5))
@@ -556,8 +565,11 @@ def test_a_raise_of_prefills_at_once_is_not_barred_while_the_queue_starves(ttft_
     knobs = Knobs(long_prefill_token_threshold=64, max_num_partial_prefills=2, max_long_partial_prefills=1)
     prompts = [dataclasses.replace(request(T0 + i, ttft_s), prompt_tokens=600) for i in range(20)]
     why = raise_stalls(model, [step], prompts, knobs, parse_spec("ttft_p99=1s,itl_p99=200ms"),
-                       Move({"max_long_partial_prefills": 2}, "TTFT"), window_stats([step], prompts).ttft_p99)
+                       Move({"max_long_partial_prefills": 2}, "TTFT"), window_stats([step], prompts).ttft_p99,
+                       None if operator is None else {**knobs.as_dict(), "max_long_partial_prefills": operator})
     assert (why is not None) == barred
+    assert (why is not None and why.endswith("the queue starves (TTFT p99 2.0 s), but 2 is past the operator's 1")) == (
+        operator == 1)
 
 
 def test_a_chosen_cut_of_max_num_seqs_is_checked_at_twice_the_windows_arrival_rate():

@@ -87,6 +87,8 @@ class Autopilot(StatsSink):
         self._manual_at = float("-inf")
         self._manual_seq = 0  # counts knob changes by others; a decision spanning one is dropped
         self._last_raise: dict[str, int] = {}
+        # the operator's values: the knobs in force when it was switched on or a person last changed them
+        self._operator: dict[str, int] = knobs().knobs.as_dict() if self.enabled else {}
         self._cut_at = float("-inf")  # when the chunk was last cut, while that is the latest move
         self._stall_at = float("-inf")  # the latest prefill step longer than the ITL target
         self._follow_up_at = float("-inf")  # the latest deeper-cut decision inside a cooldown
@@ -126,6 +128,7 @@ class Autopilot(StatsSink):
                 self._manual_at = change.applied_at
                 self._manual_seq += 1
                 self._last_raise = {}  # the operator's values are the new baseline
+                self._operator.update(change.new)
                 self._cut_at = float("-inf")
 
     # -- control --------------------------------------------------------------------------------
@@ -133,12 +136,15 @@ class Autopilot(StatsSink):
         """Switch on/off and/or replace the spec; switching on needs a spec, starts the
         simulations' worker and wakes the thread for a first decision (foresight may cut the
         chunk before the first prompt stalls a stream)."""
+        operator = self._knobs().knobs.as_dict() if enabled else None
         with self._lock:
             if spec is not None:
                 self.spec = spec
             if enabled is not None:
                 if enabled and self.spec is None:
                     raise ValueError("the autopilot needs targets before it can be switched on")
+                if enabled and not self.enabled and operator is not None:
+                    self._operator = operator
                 self.enabled = enabled
                 self.status = "watching" if enabled else "off"
                 if enabled:
@@ -179,6 +185,7 @@ class Autopilot(StatsSink):
                 # a raise is given back only once a whole window has been read under it (hysteresis:
                 # a burst that ends just after a raise does not undo it ten seconds later)
                 raised = dict(self._last_raise)  # in force: no stall cut undoes it (autopilot_policy.kept_raise)
+                operator = dict(self._operator)
                 last_raise = raised if now - self._last_move_at >= self.window_s else {}
             snap = self._knobs()
             if follow_up:  # only a stall seen under the cut deepens it: no foresight, no replay
@@ -187,7 +194,7 @@ class Autopilot(StatsSink):
                 if choice is None:
                     return None
             else:
-                choice = self._choose(iterations, requests, snap.knobs, spec, last_raise, kept, raised)
+                choice = self._choose(iterations, requests, snap.knobs, spec, last_raise, kept, raised, operator)
             with self._lock:
                 if choice.move is None and choice.reason != (self.last_decision or {}).get("reason"):
                     log.info("autopilot: %s", choice.reason)  # a hold, logged when its reason changes
@@ -230,10 +237,12 @@ class Autopilot(StatsSink):
             return None
 
     def _choose(self, iterations: list[IterationStats], requests: list[RequestStats], knobs: Any, spec: Spec,
-                last_raise: dict[str, int], kept: list[IterationStats], raised: dict[str, int]) -> Choice:
+                last_raise: dict[str, int], kept: list[IterationStats], raised: dict[str, int],
+                operator: dict[str, int]) -> Choice:
         """By simulation when the engine's fixed settings are known, else by the rules alone
         (`kept`: the engine's latest steps, beyond the window; `last_raise`: the raise the relax
-        rule may give back, once a window has been read under it; `raised`: the raise in force)."""
+        rule may give back, once a window has been read under it; `raised`: the raise in force;
+        `operator`: the operator's knob values, autopilot_stalls.raise_stalls)."""
         if self._fixed is not None:
             # what needs no replay (a step-time fit at most, milliseconds) is decided here, where a
             # worker at nice 19 beside a busy engine would wait most of a second for the CPU
@@ -244,7 +253,7 @@ class Autopilot(StatsSink):
                 return quick
             run = self._worker.replayed if self._worker is not None else replayed
             return run(iterations, requests, knobs, spec, fixed, last_raise, budget_s=self.replay_budget_s,
-                       raised=raised)
+                       raised=raised, operator=operator)
         move = decide(window_stats(iterations, requests), knobs, spec, last_raise)
         return Choice(move, move.reason if move else "hold: the rules propose nothing")
 

@@ -200,12 +200,14 @@ def without_replay(iterations: Sequence[IterationStats], requests: Sequence[Requ
 
 def replayed(iterations: Sequence[IterationStats], requests: Sequence[RequestStats], knobs: Knobs, spec: Spec,
              fixed: Mapping[str, Any], last_raise: Mapping[str, int] | None = None, *, budget_s: float = BUDGET_S,
-             raised: Mapping[str, int] | None = None,
+             raised: Mapping[str, int] | None = None, operator: Mapping[str, int] | None = None,
              clock: Callable[[], float] = time.perf_counter) -> Choice:
     """The choice by replaying the window under the knobs in force and each candidate (for a
     window `without_replay` left undecided; seconds of pure Python: the server runs it in the
     autopilot's worker). `fixed`: GET /admin/knobs' fixed settings (the cache shape and the
-    engine the step-time model is keyed on); `raised`: as `without_replay`'s."""
+    engine the step-time model is keyed on); `raised`: as `without_replay`'s; `operator`: the
+    operator's knob values, up to which a starving queue lifts the stall bar on raises
+    (autopilot_stalls.raise_stalls)."""
     gaps = DecodeGaps.of(iterations)
     w = window_stats(iterations, requests, gaps)
     moves = candidates(w, knobs, spec, last_raise, raised)
@@ -217,7 +219,7 @@ def replayed(iterations: Sequence[IterationStats], requests: Sequence[RequestSta
     except FitError as exc:
         return rules_only(rule, f"{exc} in the window (the simulator needs {MIN_ROWS})")
     barred = {_key(m): why for m in moves
-              if (why := raise_stalls(model, iterations, requests, knobs, spec, m, w.ttft_p99))}
+              if (why := raise_stalls(model, iterations, requests, knobs, spec, m, w.ttft_p99, operator))}
     if rule is not None and _key(rule) in barred:  # the rules' move is the first candidate
         rule = None
     moves = [m for m in moves if _key(m) not in barred]

@@ -52,8 +52,14 @@ max_long_partial_prefills 1→2 during the long prompts, and ITL misses all thro
 is barred unless the step it allows keeps the target at the p99 of the fit's spread with the
 held-out error to spare, as a stall cut's step must: a raise the stall answer would cut again is
 not made. But not while the queue starves (TTFT p99 at twice its target or more: every request it
-holds has missed the SLO already, however it streams): then the raise is made, and no stall cut
-undoes a raise in force (`kept_raise`); the relax rule gives it back once both targets are kept.
+holds has missed the SLO already, however it streams) and the raise only gives back what the
+autopilot's own cuts took (up to the operator's value: the knobs in force when it was switched on
+or a person last changed them): then the raise is made, and no stall cut undoes a raise in force
+(`kept_raise`); the relax rule gives it back once both targets are kept. Past the operator's
+value the bar stands even then: over capacity such a raise puts a second chunk beside every
+stream without emptying the queue, and the streams miss ITL for as long as it lasts
+(benchmarks/autopilot.py runs 85 and 87: max_long_partial_prefills 1→2 over a starving queue,
+then ITL misses there and in the short prompts' phase that the best fixed setting did not have).
 """
 
 from __future__ import annotations
@@ -76,7 +82,7 @@ PREFILLS_AT_ONCE = (PREFILLS, "max_long_partial_prefills")
 TAIL = 0.99  # the quantile of the fit's spread a stall is predicted at (the target is a p99)
 MEDIAN = 0.5  # ...and the deepest cut the bounds allow, when none keeps the target at TAIL
 MIN_PREFILL_STEPS = 3  # a window prices prefill tokens once this many of its steps carried some
-STARVED = 2.0  # TTFT p99 at this many times its target: a raise for it is not barred by the stall it makes
+STARVED = 2.0  # TTFT p99 at this many times its target: a raise up to the operator's value is not barred by its stall
 
 
 def tail_quantile(rows: int) -> float:
@@ -195,7 +201,8 @@ def foresight(iterations: Sequence[IterationStats], knobs: Knobs, spec: Spec, fi
 
 
 def raise_stalls(model: StepTimeModel, iterations: Sequence[IterationStats], requests: Sequence[RequestStats],
-                 knobs: Knobs, spec: Spec, move: Move, ttft_p99: float | None) -> str | None:
+                 knobs: Knobs, spec: Spec, move: Move, ttft_p99: float | None,
+                 operator: Mapping[str, int] | None = None) -> str | None:
     """Why `move` is barred, or None: it raises a limit on the prompts prefilled at once to n, and
     the heaviest decode step of the window with n prefill chunks beside it (each a whole chunk, or
     the window's longest prompt if shorter; within the token budget) would keep its decode rows
@@ -203,19 +210,24 @@ def raise_stalls(model: StepTimeModel, iterations: Sequence[IterationStats], req
     spare: the test a stall cut of that limit passes, so that no raise is made that the stall
     answer would cut again (benchmarks/autopilot.py run 61: a raise of max_long_partial_prefills
     allowed at the median, 1→2, and ten seconds later the stall cut max_num_partial_prefills to 2).
-    Not barred while the window's TTFT p99 (`ttft_p99`) is STARVED times its target or more: the queue then
-    misses the SLO for every request it holds whatever their streaming, and a stall cut does not
-    undo the raise (`kept_raise`; benchmarks/autopilot.py run 66: with max_num_partial_prefills
-    cut to 1 in the chat phase, the long prompts' phase held 100 % of the queue on that limit,
-    TTFT p99 reached 10.6 s, and every raise 1→2 was barred: 51 misses against the best fixed
-    setting's 37 there)."""
+    Not barred while the window's TTFT p99 (`ttft_p99`) is STARVED times its target or more and the
+    raise goes no higher than the operator's value of the limit (`operator`: the knobs in force
+    when the autopilot was switched on or a person last changed them; None: no raise is excepted):
+    the queue then misses the SLO for every request it holds whatever their streaming, the raise
+    gives back what the autopilot's own cut took, and a stall cut does not undo it (`kept_raise`;
+    benchmarks/autopilot.py run 66: with max_num_partial_prefills cut to 1 in the chat phase, the
+    long prompts' phase held 100 % of the queue on that limit, TTFT p99 reached 10.6 s, and every
+    raise 1→2 was barred: 51 misses against the best fixed setting's 37 there). Past the
+    operator's value the bar stands, starving or not (runs 85 and 87: see the module's doc)."""
     target, ttft_target = spec.targets.get("itl_p99"), spec.targets.get("ttft_p99")
     now = knobs.as_dict()
     raised = [(name, n) for name, n in move.changes.items() if name in PREFILLS_AT_ONCE and n > now[name]]
     decoding = [composition_of(it.as_dict()) for it in iterations if it.decode_seqs > 0]
     if not target or not raised or not decoding or not requests:
         return None
-    if ttft_target and ttft_p99 is not None and ttft_p99 >= STARVED * ttft_target:
+    starved = ttft_target is not None and ttft_p99 is not None and ttft_p99 >= STARVED * ttft_target
+    given_back = {limit: value for limit, value in (operator or {}).items() if limit in PREFILLS_AT_ONCE}
+    if starved and all(value <= given_back.get(limit, 0) for limit, value in raised):
         return None
     name, n = max(raised, key=lambda r: r[1])
     after = knobs.with_changes(move.changes)
@@ -225,9 +237,12 @@ def raise_stalls(model: StepTimeModel, iterations: Sequence[IterationStats], req
     worst = max(steps, key=lambda c: wait_at(model, c, size, TAIL))
     if (wait := wait_at(model, worst, size, TAIL)) * (1 + model.heldout_mape) <= target:
         return None
+    past = (f"; the queue starves (TTFT p99 {ttft_p99:.1f} s), but {n} is past the operator's {given_back[name]}"
+            if starved and name in given_back else "")
     return (f"{name} {now[name]}→{n} barred: {n} prefill chunks of {size} tokens beside the {worst.decode_rows} "
             f"decode rows the window has run would keep them waiting {wait * 1000:.0f} ms at the p99 of the "
-            f"step-time model's spread (held-out error {model.heldout_mape:.0%}; ITL target {target * 1000:.0f} ms)")
+            f"step-time model's spread (held-out error {model.heldout_mape:.0%}; ITL target {target * 1000:.0f} ms)"
+            f"{past}")
 
 
 def priced(iterations: Sequence[IterationStats], fixed: Mapping[str, Any]) -> StepTimeModel | None:
