@@ -88,7 +88,7 @@ class Autopilot(StatsSink):
         self._manual_seq = 0  # counts knob changes by others; a decision spanning one is dropped
         self._last_raise: dict[str, int] = {}
         # the operator's values: the knobs in force when it was switched on or a person last changed them
-        self._operator: dict[str, int] = knobs().knobs.as_dict() if self.enabled else {}
+        self._operator: dict[str, Any] = knobs().knobs.as_dict() if self.enabled else {}
         self._cut_at = float("-inf")  # when the chunk was last cut, while that is the latest move
         self._stall_at = float("-inf")  # the latest prefill step longer than the ITL target
         self._follow_up_at = float("-inf")  # the latest deeper-cut decision inside a cooldown
@@ -238,7 +238,7 @@ class Autopilot(StatsSink):
 
     def _choose(self, iterations: list[IterationStats], requests: list[RequestStats], knobs: Any, spec: Spec,
                 last_raise: dict[str, int], kept: list[IterationStats], raised: dict[str, int],
-                operator: dict[str, int]) -> Choice:
+                operator: dict[str, Any]) -> Choice:
         """By simulation when the engine's fixed settings are known, else by the rules alone
         (`kept`: the engine's latest steps, beyond the window; `last_raise`: the raise the relax
         rule may give back, once a window has been read under it; `raised`: the raise in force;

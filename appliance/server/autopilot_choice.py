@@ -200,7 +200,7 @@ def without_replay(iterations: Sequence[IterationStats], requests: Sequence[Requ
 
 def replayed(iterations: Sequence[IterationStats], requests: Sequence[RequestStats], knobs: Knobs, spec: Spec,
              fixed: Mapping[str, Any], last_raise: Mapping[str, int] | None = None, *, budget_s: float = BUDGET_S,
-             raised: Mapping[str, int] | None = None, operator: Mapping[str, int] | None = None,
+             raised: Mapping[str, int] | None = None, operator: Mapping[str, Any] | None = None,
              clock: Callable[[], float] = time.perf_counter) -> Choice:
     """The choice by replaying the window under the knobs in force and each candidate (for a
     window `without_replay` left undecided; seconds of pure Python: the server runs it in the

@@ -202,7 +202,7 @@ def foresight(iterations: Sequence[IterationStats], knobs: Knobs, spec: Spec, fi
 
 def raise_stalls(model: StepTimeModel, iterations: Sequence[IterationStats], requests: Sequence[RequestStats],
                  knobs: Knobs, spec: Spec, move: Move, ttft_p99: float | None,
-                 operator: Mapping[str, int] | None = None) -> str | None:
+                 operator: Mapping[str, Any] | None = None) -> str | None:
     """Why `move` is barred, or None: it raises a limit on the prompts prefilled at once to n, and
     the heaviest decode step of the window with n prefill chunks beside it (each a whole chunk, or
     the window's longest prompt if shorter; within the token budget) would keep its decode rows
