@@ -143,7 +143,7 @@ class Autopilot(StatsSink):
             if enabled is not None:
                 if enabled and self.spec is None:
                     raise ValueError("the autopilot needs targets before it can be switched on")
-                if enabled and not self.enabled and operator is not None:
+                if operator is not None and not self.enabled:  # switched on: the knobs in force are the operator's
                     self._operator = operator
                 self.enabled = enabled
                 self.status = "watching" if enabled else "off"

@@ -226,8 +226,8 @@ def raise_stalls(model: StepTimeModel, iterations: Sequence[IterationStats], req
     if not target or not raised or not decoding or not requests:
         return None
     starved = ttft_target is not None and ttft_p99 is not None and ttft_p99 >= STARVED * ttft_target
-    given_back = {limit: value for limit, value in (operator or {}).items() if limit in PREFILLS_AT_ONCE}
-    if starved and all(value <= given_back.get(limit, 0) for limit, value in raised):
+    operator = operator or {}
+    if starved and all(value <= operator.get(limit, 0) for limit, value in raised):
         return None
     name, n = max(raised, key=lambda r: r[1])
     after = knobs.with_changes(move.changes)
@@ -237,8 +237,8 @@ def raise_stalls(model: StepTimeModel, iterations: Sequence[IterationStats], req
     worst = max(steps, key=lambda c: wait_at(model, c, size, TAIL))
     if (wait := wait_at(model, worst, size, TAIL)) * (1 + model.heldout_mape) <= target:
         return None
-    past = (f"; the queue starves (TTFT p99 {ttft_p99:.1f} s), but {n} is past the operator's {given_back[name]}"
-            if starved and name in given_back else "")
+    past = (f"; the queue starves (TTFT p99 {ttft_p99:.1f} s), but {n} is past the operator's {operator[name]}"
+            if starved and name in operator else "")
     return (f"{name} {now[name]}→{n} barred: {n} prefill chunks of {size} tokens beside the {worst.decode_rows} "
             f"decode rows the window has run would keep them waiting {wait * 1000:.0f} ms at the p99 of the "
             f"step-time model's spread (held-out error {model.heldout_mape:.0%}; ITL target {target * 1000:.0f} ms)"
