@@ -889,6 +889,35 @@ def test_a_stall_of_several_prompts_chunks_at_the_chunks_bound_cuts_the_prompts_
     assert predicted[str(prompts)] <= 0.125 < predicted["2"]
 
 
+@pytest.mark.parametrize("itl_ms, budget_lo, budget", [(150, 128, 160), (250, 128, 320), (150, 512, None),
+                                                       (100, 128, None)])
+def test_a_stall_of_more_prompts_than_the_prefill_limit_at_the_chunks_bound_cuts_the_token_budget(itl_ms, budget_lo,
+                                                                                               budget):
+    # steps carrying 7 short prompts' prefill (32-64 tokens each: each finishes in its step, so the
+    # limit of 4 prompts prefilled at once never counted them) beside up to 6 decode rows take up
+    # to 335 ms (30 ms + 4 ms per row + 0.5 ms per token + 10 ms per prompt, and context): only the
+    # 512-token budget bounds them. 150 ms: a 160-token budget (154 prefill tokens, 3 prompts:
+    # 150 ms); 250 ms: 320; with the budget's lower bound at 512, or no budget down to 128
+    # keeping 100 ms, the budget stays and the prefill limit, which bounds none of those steps, too
+    ap, engine = pilot(f"ttft_p99=5s,itl_p99={itl_ms}ms,long_prefill_token_threshold=64..512,"
+                       f"max_num_batched_tokens={budget_lo}..1024", fixed=FIXED, window_s=300,
+                       long_prefill_token_threshold=64, max_num_seqs=64, max_num_partial_prefills=4)
+    end = stalling_window(ap, chunks=(64, 32, 48), prompts=7)
+    move = ap.tick(end + 1)
+    assert engine.knobs.max_num_partial_prefills == 4
+    if budget is None:
+        assert engine.knobs.max_num_batched_tokens == 512
+        assert move is None or set(move.changes) == {"max_num_seqs"}
+        return
+    assert move is not None and move.changes == {"max_num_batched_tokens": budget}
+    last = ap.view()["moves"][-1]
+    assert last["reason"].startswith(f"max_num_batched_tokens 512→{budget}: ")
+    assert "7 prompts' prefill rode in that step, past max_num_partial_prefills 4" in last["reason"]
+    predicted = last["prediction"]["predicted_wait_s"]
+    assert predicted[str(budget)] <= itl_ms / 1000 < predicted[str(budget + 16)]
+    assert set(predicted) == {str(b) for b in range(budget, 513, 16)}  # whole KV blocks, until one keeps it
+
+
 @pytest.mark.parametrize("itl_ms, prompts", [(125, 1), (170, 2), (250, None)])
 def test_prompts_prefilled_at_once_that_the_model_foresees_stalling_decode_are_cut_before_they_do(itl_ms, prompts):
     # one 64-token chunk per prefill step, beside up to 6 decode rows: at most 99 ms, no stall;

@@ -18,7 +18,9 @@ never under one KV block) brings under the target even at the median of the fit'
 nothing here (a bound kept at the median only is still the cut). With the chunk already at that
 floor, a stalled step that carried several prompts' chunks (a prompt's last chunk and the next
 prompt's first ride together) is bounded by their number: max_num_partial_prefills is cut as the
-chunk would be (`prefills_cut`). Else the decode rows beside it bound the stalled step: the
+chunk would be (`prefills_cut`); one that carried more prompts than that limit is bounded by the
+token budget (`budget_cut`: short prompts finish in their step and never count toward the limit).
+Else the decode rows beside it bound the stalled step: the
 largest max_num_seqs under which the model predicts it under the target is the move (`seqs_cut`;
 benchmarks/autopilot.py run 37: with 64-token chunks and up to 16 sequences running, 58 prefill
 steps in 30 s of long prompts kept decode rows past 150 ms; the best fixed setting, 8 sequences,
@@ -64,6 +66,7 @@ then ITL misses there and in the short prompts' phase that the best fixed settin
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
@@ -77,6 +80,7 @@ from .autopilot_policy import (Choice, Move, Spec, bounded_move, decode_waits, k
 
 KNOB = "long_prefill_token_threshold"
 SEQS = "max_num_seqs"
+BUDGET = "max_num_batched_tokens"
 PREFILLS = "max_num_partial_prefills"
 PREFILLS_AT_ONCE = (PREFILLS, "max_long_partial_prefills")
 TAIL = 0.99  # the quantile of the fit's spread a stall is predicted at (the target is a p99)
@@ -120,8 +124,11 @@ def chunk_cut(iterations: Sequence[IterationStats], knobs: Knobs, spec: Spec, fi
     ran = max(it.decode_seqs + it.prefill_seqs for it, _ in stalls)
     prompts = max(it.prefill_seqs for it, _ in stalls)
     demand = seqs_demand(running_mean(iterations))
-    if (at_floor and max(seqs_floor(spec, knobs, raised), demand) >= min(knobs.max_num_seqs, ran)
-            and prefills_floor(spec, knobs, raised) >= min(knobs.max_num_partial_prefills, prompts)):  # nothing to cut
+    if prompts > knobs.max_num_partial_prefills:  # the token budget bounded that step
+        prompts_bound = budget_floor(spec, knobs, raised) >= knobs.max_num_batched_tokens
+    else:
+        prompts_bound = prefills_floor(spec, knobs, raised) >= min(knobs.max_num_partial_prefills, prompts)
+    if at_floor and max(seqs_floor(spec, knobs, raised), demand) >= min(knobs.max_num_seqs, ran) and prompts_bound:
         return Choice(None, f"hold: {seen}; the chunk is at its bound")
     try:
         model = fit_window(iterations, fixed)
@@ -141,8 +148,11 @@ def chunk_cut(iterations: Sequence[IterationStats], knobs: Knobs, spec: Spec, fi
                   f"compositions (at the tail of its spread): the stall is not the chunk's", simulated=at_floor)
     prediction = {"stalled_steps": len(stalls), "worst_wait_s": wait}
     if at_floor:
-        return prefills_cut(model, now, knobs, spec, seen, prediction, raised) or seqs_cut(
-            model, now, knobs, spec, seen, prediction, demand, raised)
+        if now.prefill_seqs > knobs.max_num_partial_prefills:  # prompts that finish in the step rode along
+            bounded = budget_cut(model, now, knobs, spec, fixed, seen, prediction, raised)
+        else:
+            bounded = prefills_cut(model, now, knobs, spec, seen, prediction, raised)
+        return bounded or seqs_cut(model, now, knobs, spec, seen, prediction, demand, raised)
     return deepest_needed(model, now, knobs, spec, fixed, seen, prediction)
 
 
@@ -368,6 +378,54 @@ def prefills_cut(model: StepTimeModel, step: Composition, knobs: Knobs, spec: Sp
     prediction = {**prediction, "model_heldout_mape": model.heldout_mape, "prefill_seqs": step.prefill_seqs,
                   "predicted_wait_s": {str(step.prefill_seqs): before, str(cut): p99}}
     return Choice(move, move.reason, prediction, simulated=True) if move else None
+
+
+def budget_cut(model: StepTimeModel, step: Composition, knobs: Knobs, spec: Spec, fixed: Mapping[str, Any],
+               seen: str, prediction: dict[str, Any], raised: Mapping[str, int] | None = None) -> Choice | None:
+    """With the chunk at its bound, a stalled `step` that carried more prompts than the limit on
+    prompts prefilled at once is bounded by the token budget alone: a prompt whose whole prefill
+    fits one chunk finishes in its step and never counts toward that limit, so a run of short
+    prompts fills the step up to the budget (benchmarks/autopilot.py run 88: with 64-token chunks
+    and a 512-token budget, steps carrying 7 prompts' prefill kept decode rows waiting up to 230 ms,
+    and a cut of max_num_partial_prefills 4→2 changed none of them; the best fixed setting's
+    256-token budget had no such stall). The largest budget, in whole KV blocks, under which the
+    step (its prefill tokens within the budget less its decode rows, its prompts in proportion)
+    keeps the ITL target at the p99 of the fit's spread with the model's held-out error to spare,
+    or else the floor (`budget_floor`) if it keeps the target at the median, as `deepest_needed`
+    cuts the chunk. None: the budget is at its floor, the step keeps the target under the budget
+    in force, or no budget down to the floor brings it under the target even at the median."""
+    target, chunk = spec.targets["itl_p99"], knobs.long_prefill_token_threshold
+    now, floor, block = knobs.max_num_batched_tokens, budget_floor(spec, knobs, raised), kv_block(fixed)
+
+    def wait(budget: int, tail: float) -> float:
+        tokens = min(step.prefill_tokens, max(0, budget - step.decode_rows))
+        prompts = min(step.prefill_seqs, max(1, math.ceil(step.prefill_seqs * tokens / max(1, step.prefill_tokens))))
+        return wait_at(model, replace(step, prefill_tokens=tokens, prefill_seqs=prompts), chunk, tail)
+
+    headroom, budget = 1 + model.heldout_mape, now
+    predicted = {budget: wait(budget, TAIL)}
+    while predicted[budget] * headroom > target and (smaller := max(floor, (budget - 1) // block * block)) < budget:
+        budget = smaller
+        predicted[budget] = wait(budget, TAIL)
+    if budget == now or (predicted[budget] * headroom > target and wait(budget, MEDIAN) > target):
+        return None
+    move = bounded_move(knobs, spec, BUDGET, budget, f"{seen}; the chunk is at its bound and {step.prefill_seqs} "
+                        f"prompts' prefill rode in that step, past max_num_partial_prefills "
+                        f"{knobs.max_num_partial_prefills} (prompts that finish in their step do not count toward it): "
+                        f"the step-time model (held-out error {model.heldout_mape:.0%}) predicts "
+                        f"{predicted[budget] * 1000:.0f} ms with a {budget}-token budget, {predicted[now] * 1000:.0f} "
+                        f"ms with {now} (p99 of its spread)")
+    prediction = {**prediction, "model_heldout_mape": model.heldout_mape, "prefill_seqs": step.prefill_seqs,
+                  "predicted_wait_s": {str(b): t for b, t in predicted.items()}}
+    return Choice(move, move.reason, prediction, simulated=True) if move else None
+
+
+def budget_floor(spec: Spec, knobs: Knobs, raised: Mapping[str, int] | None = None) -> int:
+    """The smallest token budget a cut goes to: the operator's lower bound, never under
+    max_num_seqs (every running sequence's decode token fits) or one chunk, and not under the
+    budget now while the autopilot's raise of it is in force (`raised`, see `kept_raise`)."""
+    return max(1, spec.bounds.get(BUDGET, (1, 0))[0], knobs.max_num_seqs, knobs.long_prefill_token_threshold,
+               kept_raise(knobs, BUDGET, raised))
 
 
 def prefills_floor(spec: Spec, knobs: Knobs, raised: Mapping[str, int] | None = None) -> int:
