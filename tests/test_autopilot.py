@@ -918,6 +918,20 @@ def test_a_stall_of_more_prompts_than_the_prefill_limit_at_the_chunks_bound_cuts
     assert set(predicted) == {str(b) for b in range(budget, 513, 16)}  # whole KV blocks, until one keeps it
 
 
+def test_a_budget_cut_that_leaves_the_stalled_step_as_it_was_is_not_made():
+    # 7 prompts of 8-16 tokens (at most 118 tokens with the decode rows) fit under the budget's
+    # lower bound of 128: no budget down to there makes the stalled step lighter, though with the
+    # machine's spread (30 %) the step keeps 200 ms at the median of the fit and misses it at the
+    # p99 (the case where the bound is still the cut for the chunk, `deepest_needed`)
+    ap, engine = pilot("ttft_p99=5s,itl_p99=200ms,long_prefill_token_threshold=64..512,max_num_batched_tokens=128..1024",
+                       fixed=FIXED, window_s=300, long_prefill_token_threshold=64, max_num_seqs=64,
+                       max_num_partial_prefills=4)
+    end = stalling_window(ap, chunks=(16, 8, 12), prompts=7, jitter=0.3)
+    move = ap.tick(end + 1)
+    assert engine.knobs.max_num_batched_tokens == 512 and engine.knobs.max_num_partial_prefills == 4
+    assert move is None or set(move.changes) == {"max_num_seqs"}
+
+
 @pytest.mark.parametrize("itl_ms, prompts", [(125, 1), (170, 2), (250, None)])
 def test_prompts_prefilled_at_once_that_the_model_foresees_stalling_decode_are_cut_before_they_do(itl_ms, prompts):
     # one 64-token chunk per prefill step, beside up to 6 decode rows: at most 99 ms, no stall;

@@ -393,7 +393,8 @@ def budget_cut(model: StepTimeModel, step: Composition, knobs: Knobs, spec: Spec
     keeps the ITL target at the p99 of the fit's spread with the model's held-out error to spare,
     or else the floor (`budget_floor`) if it keeps the target at the median, as `deepest_needed`
     cuts the chunk. None: the budget is at its floor, the step keeps the target under the budget
-    in force, or no budget down to the floor brings it under the target even at the median."""
+    in force, fits under the floor already (no cut makes it lighter), or no budget down to the
+    floor brings it under the target even at the median."""
     target, chunk = spec.targets["itl_p99"], knobs.long_prefill_token_threshold
     now, floor, block = knobs.max_num_batched_tokens, budget_floor(spec, knobs, raised), kv_block(fixed)
 
@@ -407,8 +408,8 @@ def budget_cut(model: StepTimeModel, step: Composition, knobs: Knobs, spec: Spec
     while predicted[budget] * headroom > target and (smaller := max(floor, (budget - 1) // block * block)) < budget:
         budget = smaller
         predicted[budget] = wait(budget, TAIL)
-    if budget == now or (predicted[budget] * headroom > target and wait(budget, MEDIAN) > target):
-        return None
+    if predicted[budget] >= predicted[now] or (predicted[budget] * headroom > target and wait(budget, MEDIAN) > target):
+        return None  # no budget down to the floor makes that step lighter, or none brings it under the target
     move = bounded_move(knobs, spec, BUDGET, budget, f"{seen}; the chunk is at its bound and {step.prefill_seqs} "
                         f"prompts' prefill rode in that step, past max_num_partial_prefills "
                         f"{knobs.max_num_partial_prefills} (prompts that finish in their step do not count toward it): "
