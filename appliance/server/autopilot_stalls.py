@@ -67,7 +67,7 @@ then ITL misses there and in the short prompts' phase that the best fixed settin
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -125,10 +125,10 @@ def chunk_cut(iterations: Sequence[IterationStats], knobs: Knobs, spec: Spec, fi
     prompts = max(it.prefill_seqs for it, _ in stalls)
     demand = seqs_demand(running_mean(iterations))
     if prompts > knobs.max_num_partial_prefills:  # the token budget bounded that step
-        prompts_bound = budget_floor(spec, knobs, raised) >= knobs.max_num_batched_tokens
+        prompts_at_floor = budget_floor(spec, knobs, raised) >= knobs.max_num_batched_tokens
     else:
-        prompts_bound = prefills_floor(spec, knobs, raised) >= min(knobs.max_num_partial_prefills, prompts)
-    if at_floor and max(seqs_floor(spec, knobs, raised), demand) >= min(knobs.max_num_seqs, ran) and prompts_bound:
+        prompts_at_floor = prefills_floor(spec, knobs, raised) >= min(knobs.max_num_partial_prefills, prompts)
+    if at_floor and max(seqs_floor(spec, knobs, raised), demand) >= min(knobs.max_num_seqs, ran) and prompts_at_floor:
         return Choice(None, f"hold: {seen}; the chunk is at its bound")
     try:
         model = fit_window(iterations, fixed)
@@ -285,12 +285,10 @@ def deepest_needed(model: StepTimeModel, step: Composition, knobs: Knobs, spec: 
     keeps the target even at the median."""
     target = spec.targets["itl_p99"]
     chunk = knobs.long_prefill_token_threshold
-    predicted = {chunk: wait_at(model, step, chunk, TAIL)}
     headroom = 1 + model.heldout_mape
-    floor, block = floor_of(spec, fixed), kv_block(fixed)
-    while predicted[chunk] * headroom > target and (smaller := max(floor, (chunk - 1) // block * block)) < chunk:
-        chunk = smaller
-        predicted[chunk] = wait_at(model, step, chunk, TAIL)
+    predicted = descend(chunk, floor_of(spec, fixed), kv_block(fixed), lambda c: wait_at(model, step, c, TAIL),
+                        target, headroom)
+    chunk = list(predicted)[-1]
     prediction = {**prediction, "model_heldout_mape": model.heldout_mape,
                   "predicted_wait_s": {str(c): t for c, t in predicted.items()}}
     if chunk == knobs.long_prefill_token_threshold:
@@ -306,6 +304,18 @@ def deepest_needed(model: StepTimeModel, step: Composition, knobs: Knobs, spec: 
                         f"{model.heldout_mape:.0%}) predicts {forecast}")
     return Choice(move, move.reason, prediction) if move else Choice(None, f"hold: {seen}; the chunk is at its bound",
                                                                       prediction)
+
+
+def descend(start: int, floor: int, block: int, wait: Callable[[int], float], target: float,
+            headroom: float) -> dict[int, float]:
+    """`wait` at `start` and at each smaller value in whole `block`s down to `floor`, until one
+    keeps `target` with `headroom` (a factor) to spare: {value: wait}, in that order (the last
+    entry is the value reached)."""
+    value, predicted = start, {start: wait(start)}
+    while predicted[value] * headroom > target and (smaller := max(floor, (value - 1) // block * block)) < value:
+        value = smaller
+        predicted[value] = wait(value)
+    return predicted
 
 
 def seqs_cut(model: StepTimeModel, step: Composition, knobs: Knobs, spec: Spec, seen: str,
@@ -403,11 +413,9 @@ def budget_cut(model: StepTimeModel, step: Composition, knobs: Knobs, spec: Spec
         prompts = min(step.prefill_seqs, max(1, math.ceil(step.prefill_seqs * tokens / max(1, step.prefill_tokens))))
         return wait_at(model, replace(step, prefill_tokens=tokens, prefill_seqs=prompts), chunk, tail)
 
-    headroom, budget = 1 + model.heldout_mape, now
-    predicted = {budget: wait(budget, TAIL)}
-    while predicted[budget] * headroom > target and (smaller := max(floor, (budget - 1) // block * block)) < budget:
-        budget = smaller
-        predicted[budget] = wait(budget, TAIL)
+    headroom = 1 + model.heldout_mape
+    predicted = descend(now, floor, block, lambda b: wait(b, TAIL), target, headroom)
+    budget = list(predicted)[-1]
     if predicted[budget] >= predicted[now] or (predicted[budget] * headroom > target and wait(budget, MEDIAN) > target):
         return None  # no budget down to the floor makes that step lighter, or none brings it under the target
     move = bounded_move(knobs, spec, BUDGET, budget, f"{seen}; the chunk is at its bound and {step.prefill_seqs} "
