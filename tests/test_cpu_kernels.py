@@ -113,6 +113,19 @@ def test_elementwise_kernels_match_torch(kernel, dtype, rows):
     torch.testing.assert_close(qkv, expected, **tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_with_a_partial_last_vector_and_extreme_gates(kernel, dtype):
+    # 1000 = 62 whole 16-lane vectors and a tail of 8; gates far past exp's float32 range both ways
+    gen = torch.Generator().manual_seed(7)
+    gate, up = torch.randn(5, 1000, generator=gen) * 8, torch.randn(5, 1000, generator=gen)
+    gate[0, :40] = torch.linspace(-200, 200, 40)
+    gate[1, -5:] = torch.tensor([-150.0, -90.0, 0.0, 90.0, 150.0])  # in the scalar tail
+    gate_up = torch.cat([gate, up], dim=1).to(dtype)
+    g, u = gate_up.chunk(2, dim=-1)
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    torch.testing.assert_close(kernel.silu_mul(gate_up.contiguous()), torch.nn.functional.silu(g) * u, **tol)
+
+
 @pytest.mark.parametrize("rows", [1, 5, 6, 7, 13, 64, 300])  # around both register blocks (6 rows AVX2, 12 AVX-512)
 @pytest.mark.parametrize("n, k", [(96, 40), (50, 33), (960, 576)])  # whole panels, a partial last one, a model's
 def test_own_gemm_matches_f_linear(kernel, rows, n, k):

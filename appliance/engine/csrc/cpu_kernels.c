@@ -3,9 +3,11 @@
  * - paged_decode_*: one query token per row against that row's cached context, read block by
  *   block straight from the paged KV cache (no gathered copy), online softmax, OpenMP over
  *   (row, KV head); the query heads that share a KV head are served by one pass over it, in
- *   16-float vectors (head_dim a multiple of 16).
+ *   16-float vectors (head_dim a multiple of 16). Each 16 tokens' scores of a query head are
+ *   folded into one vector (transpose_sum16) and exponentiated together (exp16).
  * - rms_norm_*, rotary_*, silu_mul_*: the llama layer's elementwise work, one pass each where
- *   torch needs five to eight kernels (and as many passes over memory).
+ *   torch needs five to eight kernels (and as many passes over memory); silu_mul in 16-float
+ *   vectors with exp16.
  *
  * Every function exists for float32 and bfloat16 tensors; arithmetic is float32 throughout. The
  * last argument is the thread count (torch's, which the caller passes: OpenMP's own default is
@@ -17,7 +19,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#define CHUNK 32 /* tokens scored per online-softmax step */
+#define CHUNK 16 /* tokens scored per online-softmax step: one vector of scores (LANES) */
 #define MAX_GROUP 16
 #define MAX_DIM 256
 /* Calls touching fewer elements than this run on one thread: a decode step's norm (64 x 576)
@@ -76,6 +78,94 @@ static inline __attribute__((always_inline)) float sum16(v16f v) {
     return s;
 }
 
+static inline __attribute__((always_inline)) float max16(v16f v) {
+    float m = v[0];
+    for (int e = 1; e < LANES; e++) m = v[e] > m ? v[e] : m;
+    return m;
+}
+
+/* Lane t of the result = the sum of d[t]'s 16 lanes: four rounds of pairwise folds (two
+ * two-source shuffles and one add each; 15 folds for 16 vectors where 16 horizontal sums take
+ * about four times the instructions). */
+#define FOLD(a, b, ...) (__builtin_shufflevector(a, b, __VA_ARGS__))
+static inline __attribute__((always_inline)) v16f transpose_sum16(const v16f d[LANES]) {
+    v16f c[8], e[4], f[2];
+    for (int i = 0; i < 8; i++) /* [first half of d[2i] + its second half | same for d[2i+1]] */
+        c[i] = FOLD(d[2 * i], d[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+               FOLD(d[2 * i], d[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    for (int i = 0; i < 4; i++) /* four partial sums for each of four vectors */
+        e[i] = FOLD(c[2 * i], c[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+               FOLD(c[2 * i], c[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    for (int i = 0; i < 2; i++) /* two for each of eight */
+        f[i] = FOLD(e[2 * i], e[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+               FOLD(e[2 * i], e[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+    return FOLD(f[0], f[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+           FOLD(f[0], f[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+typedef int32_t v16i __attribute__((vector_size(64)));
+
+/* Lane by lane: a where mask (a vector comparison's result) is set, b elsewhere. */
+static inline __attribute__((always_inline)) v16f select16(v16i mask, v16f a, v16f b) {
+    v16i ai, bi;
+    memcpy(&ai, &a, sizeof ai);
+    memcpy(&bi, &b, sizeof bi);
+    const v16i bits = (ai & mask) | (bi & ~mask);
+    v16f out;
+    memcpy(&out, &bits, sizeof out);
+    return out;
+}
+
+/* exp(x), lanes clamped to [-87, 88] (where float32 stays normal and finite): x = n ln2 + r with
+ * |r| <= ln2 / 2, exp(r) by its degree-7 Taylor polynomial (relative error under 1e-8 before
+ * rounding), 2^n put into the exponent bits. */
+static inline __attribute__((always_inline)) v16f exp16(v16f x) {
+    const v16f lo = (v16f){0} - 87.f, hi = (v16f){0} + 88.f, zero = {0};
+    x = select16(x < lo, lo, select16(x > hi, hi, x));
+    const v16f half = select16(x < zero, zero - 0.5f, zero + 0.5f);
+    const v16i n = __builtin_convertvector(x * 1.44269504f + half, v16i); /* truncates: round(x / ln2) */
+    const v16f nf = __builtin_convertvector(n, v16f);
+    const v16f r = (x - nf * 0.693359375f) + nf * 2.12194440e-4f; /* ln2 in two parts (Cody-Waite) */
+    v16f p = r * (1.f / 5040) + (1.f / 720);
+    p = p * r + (1.f / 120);
+    p = p * r + (1.f / 24);
+    p = p * r + (1.f / 6);
+    p = p * r + 0.5f;
+    p = p * r + 1.f;
+    p = p * r + 1.f;
+    const v16i scale_bits = (n + 127) << 23;
+    v16f scale;
+    memcpy(&scale, &scale_bits, sizeof scale);
+    return p * scale;
+}
+
+static inline __attribute__((always_inline)) void store16_f32(float *p, v16f v) { memcpy(p, &v, sizeof v); }
+
+/* v rounded to bfloat16 as f32_to_bf16 does (nearest even, NaN kept quiet), as float32 bits. */
+static inline __attribute__((always_inline)) v16u bf16_bits16(v16f v) {
+    v16u bits;
+    memcpy(&bits, &v, sizeof bits);
+    const v16u rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
+    const v16i nan = (bits & 0x7fffffffu) > 0x7f800000u;
+    v16u quiet = (bits | 0x400000u) & 0xffff0000u, mask;
+    memcpy(&mask, &nan, sizeof mask);
+    return (quiet & mask) | (rounded & ~mask);
+}
+
+static inline __attribute__((always_inline)) void store16_bf16(bf16_t *p, v16f v) {
+    const v16h h = __builtin_convertvector(bf16_bits16(v) >> 16, v16h);
+    memcpy(p, &h, sizeof h);
+}
+
+static inline __attribute__((always_inline)) v16f round16_f32(v16f v) { return v; }
+
+static inline __attribute__((always_inline)) v16f round16_bf16(v16f v) {
+    const v16u bits = bf16_bits16(v);
+    v16f out;
+    memcpy(&out, &bits, sizeof out);
+    return out;
+}
+
 /* One (row, KV head) pair per call of the item function, inlined into a copy per common head
  * size and group (query heads per KV head): with both constant, the query and the accumulators
  * (group x head_dim / 16 vectors) stay in registers and every loop over them unrolls. The
@@ -90,9 +180,11 @@ static inline __attribute__((always_inline)) float sum16(v16f v) {
         const int64_t i = item / kv_heads, h = item % kv_heads, ctx = ctx_lens[i];                   \
         const int64_t *table = block_tables + i * table_width;                                       \
         const T *kh = k_cache + h * num_slots * D, *vh = v_cache + h * num_slots * D;                \
-        v16f qv[MAX_GROUP][MAX_DIM / LANES], acc[MAX_GROUP][MAX_DIM / LANES];                        \
+        v16f qv[MAX_GROUP][MAX_DIM / LANES], acc[MAX_GROUP][MAX_DIM / LANES], dots[MAX_GROUP][LANES]; \
         float s[MAX_GROUP][CHUNK], m[MAX_GROUP], l[MAX_GROUP];                                       \
         int64_t slot[CHUNK], blk = 0, off = 0; /* each token's cache offset, walked block by block */ \
+        v16i lane;                                                                                   \
+        for (int e = 0; e < LANES; e++) lane[e] = e;                                                 \
         for (int64_t g = 0; g < G; g++) {                                                            \
             const T *qg = q + i * q_row_stride + (h * G + g) * q_head_stride;                        \
             for (int64_t j = 0; j < nv; j++) {                                                       \
@@ -108,22 +200,25 @@ static inline __attribute__((always_inline)) float sum16(v16f v) {
                 slot[t] = (table[blk] * block_size + off) * D;                                       \
                 if (++off == block_size) { off = 0; blk++; }                                         \
             }                                                                                        \
-            for (int64_t t = 0; t < n; t++) { /* scores: each key row loaded once for the group */   \
+            for (int64_t t = 0; t < n; t++) { /* each key row loaded once for the group */           \
                 v16f k[MAX_DIM / LANES];                                                             \
                 for (int64_t j = 0; j < nv; j++) k[j] = LOAD16(kh + slot[t] + LANES * j);            \
                 for (int64_t g = 0; g < G; g++) {                                                    \
                     v16f dot = qv[g][0] * k[0];                                                      \
                     for (int64_t j = 1; j < nv; j++) dot += qv[g][j] * k[j];                         \
-                    s[g][t] = sum16(dot);                                                            \
+                    dots[g][t] = dot;                                                                \
                 }                                                                                    \
             }                                                                                        \
-            for (int64_t g = 0; g < G; g++) { /* online softmax over the chunk */                    \
-                float top = m[g], sum = 0.f;                                                         \
-                for (int64_t t = 0; t < n; t++) top = s[g][t] > top ? s[g][t] : top;                \
+            const v16i live = lane < (int32_t)n;                                                     \
+            for (int64_t g = 0; g < G; g++) { /* the chunk's scores in one vector, online softmax */ \
+                for (int64_t t = n; t < CHUNK; t++) dots[g][t] = (v16f){0};                          \
+                const v16f scores = select16(live, transpose_sum16(dots[g]), (v16f){0} - 3.0e38f);   \
+                const float chunk_top = max16(scores), top = chunk_top > m[g] ? chunk_top : m[g];    \
+                const v16f p = select16(live, exp16(scores - top), (v16f){0});           \
                 const float rescale = expf(m[g] - top);                                              \
-                for (int64_t t = 0; t < n; t++) { s[g][t] = expf(s[g][t] - top); sum += s[g][t]; }   \
-                l[g] = l[g] * rescale + sum;                                                         \
+                l[g] = l[g] * rescale + sum16(p);                                                    \
                 m[g] = top;                                                                          \
+                memcpy(s[g], &p, sizeof p);                                                          \
                 for (int64_t j = 0; j < nv; j++) acc[g][j] *= rescale;                               \
             }                                                                                        \
             for (int64_t t = 0; t < n; t++) { /* values: each row loaded once for the group */       \
@@ -214,16 +309,22 @@ static inline __attribute__((always_inline)) float sum16(v16f v) {
     }
 
 /* out [rows, inter] = silu(gate_up[:, :inter]) * gate_up[:, inter:]. */
-#define DEFINE_SILU_MUL(NAME, T, LOAD, STORE, ROUND)                                                 \
+/* out [rows, inter] = silu(gate_up[:, :inter]) * gate_up[:, inter:], 16 lanes at a time. */
+#define DEFINE_SILU_MUL(NAME, T, LOAD, STORE, ROUND, SUFFIX)                                         \
     void NAME(const T *gate_up, int64_t rows, int64_t inter, T *out, int64_t threads) {              \
         _Pragma("omp parallel for if (rows * inter >= PAR_MIN_ELEMS) num_threads(threads)")           \
         for (int64_t r = 0; r < rows; r++) {                                                         \
             const T *g = gate_up + r * 2 * inter, *u = g + inter;                                    \
             T *o = out + r * inter;                                                                  \
-            _Pragma("omp simd")                                                                      \
-            for (int64_t d = 0; d < inter; d++) {                                                    \
+            int64_t d = 0;                                                                           \
+            for (; d + LANES <= inter; d += LANES) {                                                 \
+                const v16f x = load16_##SUFFIX(g + d);                                               \
+                const v16f silu = round16_##SUFFIX(x / (1.f + exp16((v16f){0} - x)));                \
+                store16_##SUFFIX(o + d, silu * load16_##SUFFIX(u + d));                              \
+            }                                                                                        \
+            for (; d < inter; d++) { /* exp clamped as exp16's: -ffast-math assumes no infinities */  \
                 const float x = LOAD(g[d]);                                                          \
-                o[d] = STORE(ROUND(x / (1.f + expf(-x))) * LOAD(u[d]));                              \
+                o[d] = STORE(ROUND(x / (1.f + expf(x > -88.f ? -x : 88.f))) * LOAD(u[d]));           \
             }                                                                                        \
         }                                                                                            \
     }
@@ -234,8 +335,8 @@ DEFINE_RMS_NORM(rms_norm_f32, float, F32_LOAD, F32_STORE, F32_ROUND)
 DEFINE_RMS_NORM(rms_norm_bf16, bf16_t, bf16_to_f32, f32_to_bf16, BF16_ROUND)
 DEFINE_ROTARY(rotary_f32, float, F32_LOAD, F32_STORE)
 DEFINE_ROTARY(rotary_bf16, bf16_t, bf16_to_f32, f32_to_bf16)
-DEFINE_SILU_MUL(silu_mul_f32, float, F32_LOAD, F32_STORE, F32_ROUND)
-DEFINE_SILU_MUL(silu_mul_bf16, bf16_t, bf16_to_f32, f32_to_bf16, BF16_ROUND)
+DEFINE_SILU_MUL(silu_mul_f32, float, F32_LOAD, F32_STORE, F32_ROUND, f32)
+DEFINE_SILU_MUL(silu_mul_bf16, bf16_t, bf16_to_f32, f32_to_bf16, BF16_ROUND, bf16)
 
 /* Limits the Python side checks before choosing paged_decode. */
 int64_t paged_decode_max_group(void) { return MAX_GROUP; }

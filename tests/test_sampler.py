@@ -1,0 +1,26 @@
+"""The batched sampler on hand-made logits (no model)."""
+
+import torch
+
+from appliance.engine.sampler import sample
+from appliance.engine.sampling import SamplingParams
+
+
+def test_greedy_rows_take_the_first_of_equal_maxima_and_skip_banned_ids():
+    logits = torch.tensor([
+        [0.0, 3.0, 3.0, 1.0],  # tie: the first maximum wins, as torch.argmax picks it
+        [5.0, 1.0, 5.0, 2.0],  # the first maximum is banned: the second one remains
+        [-1.0, -2.0, -0.5, -0.5],
+    ])
+    greedy = SamplingParams(temperature=0)
+    chosen = sample(logits.clone(), [greedy] * 3, [None] * 3, [[], [0], []])
+    assert chosen == [1, 2, 2]
+    assert chosen[0] == int(torch.argmax(logits[0])) and chosen[2] == int(torch.argmax(logits[2]))
+
+
+def test_greedy_matches_argmax_on_a_vocabulary_sized_batch():
+    logits = torch.randn(8, 49152, generator=torch.Generator().manual_seed(0))
+    logits[3, 100] = logits[3, 200] = logits[3].max() + 1  # a tie far apart in the row
+    chosen = sample(logits.clone(), [SamplingParams(temperature=0)] * 8, [None] * 8, [[]] * 8)
+    assert chosen == torch.argmax(logits, dim=-1).tolist()
+    assert chosen[3] == 100
