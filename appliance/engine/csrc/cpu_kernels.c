@@ -18,6 +18,9 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(__AVX512F__) || defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 #define CHUNK 16 /* tokens scored per online-softmax step: one vector of scores (LANES) */
 #define MAX_GROUP 16
@@ -64,12 +67,16 @@ static inline __attribute__((always_inline)) v16f load16_f32(const float *p) {
 }
 
 static inline __attribute__((always_inline)) v16f load16_bf16(const bf16_t *p) {
+#ifdef __AVX512F__ /* one widening load (gcc builds the generic form below from 128-bit pieces) */
+    return (v16f)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
+#else
     v16h h;
     memcpy(&h, p, sizeof h);
     const v16u bits = __builtin_convertvector(h, v16u) << 16;
     v16f v;
     memcpy(&v, &bits, sizeof v);
     return v;
+#endif
 }
 
 static inline __attribute__((always_inline)) float sum16(v16f v) {
@@ -166,11 +173,68 @@ static inline __attribute__((always_inline)) v16f round16_bf16(v16f v) {
     return out;
 }
 
+/* The cache offsets (slot * D) of the next `count` tokens of a row, walking its block table. */
+static inline __attribute__((always_inline)) void walk_slots(const int64_t *table, int64_t block_size, int64_t D,
+                                                             int64_t count, int64_t *blk, int64_t *off, int64_t *out) {
+    for (int64_t t = 0; t < count; t++) {
+        out[t] = (table[*blk] * block_size + *off) * D;
+        if (++*off == block_size) { *off = 0; ++*blk; }
+    }
+}
+
+/* Asks for a cached row's lines ahead of use: the blocks of a row's context lie anywhere in the
+ * cache, a few KB each, too short and scattered for the hardware prefetchers to run ahead. */
+static inline __attribute__((always_inline)) void prefetch_row(const void *p, int64_t bytes) {
+    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch((const char *)p + b);
+}
+
+/* The decode kernel's query-key products. query_*: a query head's row as score_* reads it (in
+ * float32 vectors; with AVX512-BF16 the bfloat16 row as it is). score_*: one cached key row
+ * against the group's queries, dots[g][t] = a vector whose lanes sum to q_g . k (unscaled). */
+#define DEFINE_SCORE(SUFFIX, T)                                                                      \
+    static inline __attribute__((always_inline)) void query_##SUFFIX(const T *q, v16f *qv, int64_t nv) { \
+        for (int64_t j = 0; j < nv; j++) qv[j] = load16_##SUFFIX(q + LANES * j);                     \
+    }                                                                                                \
+    static inline __attribute__((always_inline)) void score_##SUFFIX(                                \
+        const v16f qv[][MAX_DIM / LANES], int64_t G, const T *k_row, int64_t nv, v16f dots[][LANES], int64_t t) { \
+        v16f k[MAX_DIM / LANES];                                                                     \
+        for (int64_t j = 0; j < nv; j++) k[j] = load16_##SUFFIX(k_row + LANES * j);                  \
+        for (int64_t g = 0; g < G; g++) {                                                            \
+            v16f dot = qv[g][0] * k[0];                                                              \
+            for (int64_t j = 1; j < nv; j++) dot += qv[g][j] * k[j];                                 \
+            dots[g][t] = dot;                                                                        \
+        }                                                                                            \
+    }
+DEFINE_SCORE(f32, float)
+#ifdef __AVX512BF16__
+/* bfloat16 pairs multiplied and summed into float32 lanes by the CPU (vdpbf16ps: 32 products
+ * per instruction, no conversion of the keys); an odd count of 16-value vectors ends on a
+ * half-width load, its upper half zero. */
+static inline __attribute__((always_inline)) void query_bf16(const bf16_t *q, v16f *qv, int64_t nv) {
+    memset(qv, 0, (size_t)(nv + 1) / 2 * sizeof(v16f));
+    memcpy(qv, q, (size_t)nv * LANES * sizeof(bf16_t));
+}
+static inline __attribute__((always_inline)) void score_bf16(
+    const v16f qv[][MAX_DIM / LANES], int64_t G, const bf16_t *k_row, int64_t nv, v16f dots[][LANES], int64_t t) {
+    const int64_t pairs = (nv + 1) / 2;
+    __m512bh k[MAX_DIM / (2 * LANES)];
+    for (int64_t j = 0; j < pairs; j++)
+        k[j] = (__m512bh)_mm512_maskz_loadu_epi16(2 * j + 1 < nv ? ~0u : 0xffffu, k_row + 2 * LANES * j);
+    for (int64_t g = 0; g < G; g++) {
+        __m512 dot = _mm512_setzero_ps();
+        for (int64_t j = 0; j < pairs; j++) dot = _mm512_dpbf16_ps(dot, (__m512bh)qv[g][j], k[j]);
+        dots[g][t] = (v16f)dot;
+    }
+}
+#else
+DEFINE_SCORE(bf16, bf16_t)
+#endif
+
 /* One (row, KV head) pair per call of the item function, inlined into a copy per common head
  * size and group (query heads per KV head): with both constant, the query and the accumulators
  * (group x head_dim / 16 vectors) stay in registers and every loop over them unrolls. The
  * switch runs inside the OpenMP loop so that each copy sees its constants. */
-#define DEFINE_PAGED_DECODE(NAME, T, LOAD16, STORE)                                                  \
+#define DEFINE_PAGED_DECODE(NAME, T, SUFFIX, STORE)                                                  \
     static inline __attribute__((always_inline)) void NAME##_item(                                   \
         const T *q, int64_t q_row_stride, int64_t q_head_stride, const T *k_cache, const T *v_cache, \
         const int64_t *block_tables, int64_t table_width, const int64_t *ctx_lens, int64_t kv_heads, \
@@ -182,37 +246,30 @@ static inline __attribute__((always_inline)) v16f round16_bf16(v16f v) {
         const T *kh = k_cache + h * num_slots * D, *vh = v_cache + h * num_slots * D;                \
         v16f qv[MAX_GROUP][MAX_DIM / LANES], acc[MAX_GROUP][MAX_DIM / LANES], dots[MAX_GROUP][LANES]; \
         float s[MAX_GROUP][CHUNK], m[MAX_GROUP], l[MAX_GROUP];                                       \
-        int64_t slot[CHUNK], blk = 0, off = 0; /* each token's cache offset, walked block by block */ \
+        int64_t slots[2][CHUNK], blk = 0, off = 0; /* tokens' cache offsets: this chunk's, the next's */ \
         v16i lane;                                                                                   \
         for (int e = 0; e < LANES; e++) lane[e] = e;                                                 \
         for (int64_t g = 0; g < G; g++) {                                                            \
             const T *qg = q + i * q_row_stride + (h * G + g) * q_head_stride;                        \
-            for (int64_t j = 0; j < nv; j++) {                                                       \
-                qv[g][j] = LOAD16(qg + LANES * j) * scale;                                           \
-                acc[g][j] = (v16f){0};                                                               \
-            }                                                                                        \
+            query_##SUFFIX(qg, qv[g], nv);                                                           \
+            for (int64_t j = 0; j < nv; j++) acc[g][j] = (v16f){0};                                  \
             m[g] = -3.0e38f; /* finite: -ffast-math assumes no infinities */                         \
             l[g] = 0.f;                                                                              \
         }                                                                                            \
-        for (int64_t t0 = 0; t0 < ctx; t0 += CHUNK) {                                                \
-            const int64_t n = ctx - t0 < CHUNK ? ctx - t0 : CHUNK;                                   \
-            for (int64_t t = 0; t < n; t++) {                                                        \
-                slot[t] = (table[blk] * block_size + off) * D;                                       \
-                if (++off == block_size) { off = 0; blk++; }                                         \
-            }                                                                                        \
+        walk_slots(table, block_size, D, ctx < CHUNK ? ctx : CHUNK, &blk, &off, slots[0]);           \
+        for (int64_t t0 = 0, c = 0; t0 < ctx; t0 += CHUNK, c ^= 1) {                                 \
+            const int64_t n = ctx - t0 < CHUNK ? ctx - t0 : CHUNK, rest = ctx - t0 - n;              \
+            const int64_t n_next = rest < CHUNK ? rest : CHUNK, *slot = slots[c], *next = slots[c ^ 1]; \
+            walk_slots(table, block_size, D, n_next, &blk, &off, slots[c ^ 1]);                      \
             for (int64_t t = 0; t < n; t++) { /* each key row loaded once for the group */           \
-                v16f k[MAX_DIM / LANES];                                                             \
-                for (int64_t j = 0; j < nv; j++) k[j] = LOAD16(kh + slot[t] + LANES * j);            \
-                for (int64_t g = 0; g < G; g++) {                                                    \
-                    v16f dot = qv[g][0] * k[0];                                                      \
-                    for (int64_t j = 1; j < nv; j++) dot += qv[g][j] * k[j];                         \
-                    dots[g][t] = dot;                                                                \
-                }                                                                                    \
+                prefetch_row(vh + slot[t], D * (int64_t)sizeof(T)); /* read after the softmax */     \
+                if (t < n_next) prefetch_row(kh + next[t], D * (int64_t)sizeof(T));                  \
+                score_##SUFFIX((const v16f(*)[MAX_DIM / LANES])qv, G, kh + slot[t], nv, dots, t);    \
             }                                                                                        \
             const v16i live = lane < (int32_t)n;                                                     \
             for (int64_t g = 0; g < G; g++) { /* the chunk's scores in one vector, online softmax */ \
                 for (int64_t t = n; t < CHUNK; t++) dots[g][t] = (v16f){0};                          \
-                const v16f scores = select16(live, transpose_sum16(dots[g]), (v16f){0} - 3.0e38f);   \
+                const v16f scores = select16(live, transpose_sum16(dots[g]) * scale, (v16f){0} - 3.0e38f); \
                 const float chunk_top = max16(scores), top = chunk_top > m[g] ? chunk_top : m[g];    \
                 const v16f p = select16(live, exp16(scores - top), (v16f){0});           \
                 const float rescale = expf(m[g] - top);                                              \
@@ -223,7 +280,7 @@ static inline __attribute__((always_inline)) v16f round16_bf16(v16f v) {
             }                                                                                        \
             for (int64_t t = 0; t < n; t++) { /* values: each row loaded once for the group */       \
                 v16f v[MAX_DIM / LANES];                                                             \
-                for (int64_t j = 0; j < nv; j++) v[j] = LOAD16(vh + slot[t] + LANES * j);            \
+                for (int64_t j = 0; j < nv; j++) v[j] = load16_##SUFFIX(vh + slot[t] + LANES * j);   \
                 for (int64_t g = 0; g < G; g++)                                                      \
                     for (int64_t j = 0; j < nv; j++) acc[g][j] += s[g][t] * v[j];                    \
             }                                                                                        \
@@ -329,8 +386,8 @@ static inline __attribute__((always_inline)) v16f round16_bf16(v16f v) {
         }                                                                                            \
     }
 
-DEFINE_PAGED_DECODE(paged_decode_f32, float, load16_f32, F32_STORE)
-DEFINE_PAGED_DECODE(paged_decode_bf16, bf16_t, load16_bf16, f32_to_bf16)
+DEFINE_PAGED_DECODE(paged_decode_f32, float, f32, F32_STORE)
+DEFINE_PAGED_DECODE(paged_decode_bf16, bf16_t, bf16, f32_to_bf16)
 DEFINE_RMS_NORM(rms_norm_f32, float, F32_LOAD, F32_STORE, F32_ROUND)
 DEFINE_RMS_NORM(rms_norm_bf16, bf16_t, bf16_to_f32, f32_to_bf16, BF16_ROUND)
 DEFINE_ROTARY(rotary_f32, float, F32_LOAD, F32_STORE)
