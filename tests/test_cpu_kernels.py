@@ -114,15 +114,17 @@ def test_elementwise_kernels_match_torch(kernel, dtype, rows):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_silu_mul_with_a_partial_last_vector_and_extreme_gates(kernel, dtype):
+def test_silu_mul_and_rms_norm_with_a_partial_last_vector_and_extreme_gates(kernel, dtype):
     # 1000 = 62 whole 16-lane vectors and a tail of 8; gates far past exp's float32 range both ways
     gen = torch.Generator().manual_seed(7)
+    x, weight = (torch.randn(5, 1000, generator=gen) * 3).to(dtype), torch.rand(1000, generator=gen).to(dtype)
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    torch.testing.assert_close(kernel.rms_norm(x, weight, 1e-5), fast_llama._rms_norm(x, weight, 1e-5), **tol)
     gate, up = torch.randn(5, 1000, generator=gen) * 8, torch.randn(5, 1000, generator=gen)
     gate[0, :40] = torch.linspace(-200, 200, 40)
     gate[1, -5:] = torch.tensor([-150.0, -90.0, 0.0, 90.0, 150.0])  # in the scalar tail
     gate_up = torch.cat([gate, up], dim=1).to(dtype)
     g, u = gate_up.chunk(2, dim=-1)
-    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
     torch.testing.assert_close(kernel.silu_mul(gate_up.contiguous()), torch.nn.functional.silu(g) * u, **tol)
 
 

@@ -127,11 +127,16 @@ static inline __attribute__((always_inline)) v16f select16(v16i mask, v16f a, v1
  * |r| <= ln2 / 2, exp(r) by its degree-7 Taylor polynomial (relative error under 1e-8 before
  * rounding), 2^n put into the exponent bits. */
 static inline __attribute__((always_inline)) v16f exp16(v16f x) {
+#ifdef __AVX512F__ /* the same steps in fewer instructions: min/max, round, scale by 2^n */
+    x = (v16f)_mm512_max_ps(_mm512_min_ps((__m512)x, _mm512_set1_ps(88.f)), _mm512_set1_ps(-87.f));
+    const v16f nf = (v16f)_mm512_roundscale_ps((__m512)(x * 1.44269504f), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#else
     const v16f lo = (v16f){0} - 87.f, hi = (v16f){0} + 88.f, zero = {0};
     x = select16(x < lo, lo, select16(x > hi, hi, x));
     const v16f half = select16(x < zero, zero - 0.5f, zero + 0.5f);
     const v16i n = __builtin_convertvector(x * 1.44269504f + half, v16i); /* truncates: round(x / ln2) */
     const v16f nf = __builtin_convertvector(n, v16f);
+#endif
     const v16f r = (x - nf * 0.693359375f) + nf * 2.12194440e-4f; /* ln2 in two parts (Cody-Waite) */
     v16f p = r * (1.f / 5040) + (1.f / 720);
     p = p * r + (1.f / 120);
@@ -140,10 +145,14 @@ static inline __attribute__((always_inline)) v16f exp16(v16f x) {
     p = p * r + 0.5f;
     p = p * r + 1.f;
     p = p * r + 1.f;
+#ifdef __AVX512F__
+    return (v16f)_mm512_scalef_ps((__m512)p, (__m512)nf);
+#else
     const v16i scale_bits = (n + 127) << 23;
     v16f scale;
     memcpy(&scale, &scale_bits, sizeof scale);
     return p * scale;
+#endif
 }
 
 static inline __attribute__((always_inline)) void store16_f32(float *p, v16f v) { memcpy(p, &v, sizeof v); }
@@ -328,19 +337,25 @@ DEFINE_SCORE(bf16, bf16_t)
     PAGED_DECODE_CASE(NAME, 128, 8)
 
 /* out = weight * round(x * rsqrt(mean(x^2) + eps)): transformers' LlamaRMSNorm, op for op. */
-#define DEFINE_RMS_NORM(NAME, T, LOAD, STORE, ROUND)                                                 \
+#define DEFINE_RMS_NORM(NAME, T, LOAD, STORE, ROUND, SUFFIX)                                         \
     void NAME(const T *x, const T *weight, float eps, int64_t rows, int64_t dim, T *out,             \
               int64_t threads) {                                                                     \
         _Pragma("omp parallel for if (rows * dim >= PAR_MIN_ELEMS) num_threads(threads)")            \
         for (int64_t r = 0; r < rows; r++) {                                                         \
             const T *xr = x + r * dim;                                                               \
             T *o = out + r * dim;                                                                    \
-            float ss = 0.f;                                                                          \
-            _Pragma("omp simd reduction(+ : ss)")                                                    \
-            for (int64_t d = 0; d < dim; d++) ss += LOAD(xr[d]) * LOAD(xr[d]);                       \
+            const int64_t whole = dim - dim % LANES; /* 16 lanes at a time, then a scalar tail */    \
+            v16f squares = {0};                                                                      \
+            for (int64_t d = 0; d < whole; d += LANES) {                                             \
+                const v16f v = load16_##SUFFIX(xr + d);                                              \
+                squares += v * v;                                                                    \
+            }                                                                                        \
+            float ss = sum16(squares);                                                               \
+            for (int64_t d = whole; d < dim; d++) ss += LOAD(xr[d]) * LOAD(xr[d]);                   \
             const float inv = 1.f / sqrtf(ss / (float)dim + eps);                                    \
-            _Pragma("omp simd")                                                                      \
-            for (int64_t d = 0; d < dim; d++) o[d] = STORE(LOAD(weight[d]) * ROUND(LOAD(xr[d]) * inv)); \
+            for (int64_t d = 0; d < whole; d += LANES)                                               \
+                store16_##SUFFIX(o + d, load16_##SUFFIX(weight + d) * round16_##SUFFIX(load16_##SUFFIX(xr + d) * inv)); \
+            for (int64_t d = whole; d < dim; d++) o[d] = STORE(LOAD(weight[d]) * ROUND(LOAD(xr[d]) * inv)); \
         }                                                                                            \
     }
 
@@ -388,8 +403,8 @@ DEFINE_SCORE(bf16, bf16_t)
 
 DEFINE_PAGED_DECODE(paged_decode_f32, float, f32, F32_STORE)
 DEFINE_PAGED_DECODE(paged_decode_bf16, bf16_t, bf16, f32_to_bf16)
-DEFINE_RMS_NORM(rms_norm_f32, float, F32_LOAD, F32_STORE, F32_ROUND)
-DEFINE_RMS_NORM(rms_norm_bf16, bf16_t, bf16_to_f32, f32_to_bf16, BF16_ROUND)
+DEFINE_RMS_NORM(rms_norm_f32, float, F32_LOAD, F32_STORE, F32_ROUND, f32)
+DEFINE_RMS_NORM(rms_norm_bf16, bf16_t, bf16_to_f32, f32_to_bf16, BF16_ROUND, bf16)
 DEFINE_ROTARY(rotary_f32, float, F32_LOAD, F32_STORE)
 DEFINE_ROTARY(rotary_bf16, bf16_t, bf16_to_f32, f32_to_bf16)
 DEFINE_SILU_MUL(silu_mul_f32, float, F32_LOAD, F32_STORE, F32_ROUND, f32)
