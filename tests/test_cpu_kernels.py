@@ -56,6 +56,7 @@ def _reference(q, k_cache, v_cache, tables, ctx_lens, block_size, scale):
         (torch.float32, 9, 3, 64, 16, [700, 5, 900]),  # enough context to run on every thread
         (torch.bfloat16, 9, 3, 64, 16, [2, 40, 300]),
         (torch.bfloat16, 10, 2, 96, 8, [1, 33, 200]),  # a head size and group with no copy of their own
+        (torch.bfloat16, 8, 1, 80, 5, [7, 31, 32, 96]),  # 80 = five 16-value vectors: an odd count (AVX512-BF16's pairs)
     ],
 )
 def test_kernel_matches_dense_attention(kernel, dtype, heads, kv_heads, head_dim, block_size, ctx_lens):

@@ -268,8 +268,9 @@ DEFINE_SCORE(bf16, bf16_t)
         walk_slots(table, block_size, D, ctx < CHUNK ? ctx : CHUNK, &blk, &off, slots[0]);           \
         for (int64_t t0 = 0, c = 0; t0 < ctx; t0 += CHUNK, c ^= 1) {                                 \
             const int64_t n = ctx - t0 < CHUNK ? ctx - t0 : CHUNK, rest = ctx - t0 - n;              \
-            const int64_t n_next = rest < CHUNK ? rest : CHUNK, *slot = slots[c], *next = slots[c ^ 1]; \
-            walk_slots(table, block_size, D, n_next, &blk, &off, slots[c ^ 1]);                      \
+            const int64_t n_next = rest < CHUNK ? rest : CHUNK, *slot = slots[c];                    \
+            int64_t *next = slots[c ^ 1];                                                            \
+            walk_slots(table, block_size, D, n_next, &blk, &off, next);                              \
             for (int64_t t = 0; t < n; t++) { /* each key row loaded once for the group */           \
                 prefetch_row(vh + slot[t], D * (int64_t)sizeof(T)); /* read after the softmax */     \
                 if (t < n_next) prefetch_row(kh + next[t], D * (int64_t)sizeof(T));                  \
@@ -280,7 +281,7 @@ DEFINE_SCORE(bf16, bf16_t)
                 for (int64_t t = n; t < CHUNK; t++) dots[g][t] = (v16f){0};                          \
                 const v16f scores = select16(live, transpose_sum16(dots[g]) * scale, (v16f){0} - 3.0e38f); \
                 const float chunk_top = max16(scores), top = chunk_top > m[g] ? chunk_top : m[g];    \
-                const v16f p = select16(live, exp16(scores - top), (v16f){0});           \
+                const v16f p = select16(live, exp16(scores - top), (v16f){0});                       \
                 const float rescale = expf(m[g] - top);                                              \
                 l[g] = l[g] * rescale + sum16(p);                                                    \
                 m[g] = top;                                                                          \
@@ -380,7 +381,6 @@ DEFINE_SCORE(bf16, bf16_t)
         }                                                                                            \
     }
 
-/* out [rows, inter] = silu(gate_up[:, :inter]) * gate_up[:, inter:]. */
 /* out [rows, inter] = silu(gate_up[:, :inter]) * gate_up[:, inter:], 16 lanes at a time. */
 #define DEFINE_SILU_MUL(NAME, T, LOAD, STORE, ROUND, SUFFIX)                                         \
     void NAME(const T *gate_up, int64_t rows, int64_t inter, T *out, int64_t threads) {              \
