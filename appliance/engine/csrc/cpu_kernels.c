@@ -126,12 +126,15 @@ static inline __attribute__((always_inline)) v16f select16(v16i mask, v16f a, v1
 /* exp(x), lanes clamped to [-87, 88] (where float32 stays normal and finite): x = n ln2 + r with
  * |r| <= ln2 / 2, exp(r) by its degree-7 Taylor polynomial (relative error under 1e-8 before
  * rounding), 2^n put into the exponent bits. */
+#define EXP_LO (-87.f) /* exp16's clamp, also silu_mul's scalar tail's */
+#define EXP_HI 88.f
+
 static inline __attribute__((always_inline)) v16f exp16(v16f x) {
 #ifdef __AVX512F__ /* the same steps in fewer instructions: min/max, round, scale by 2^n */
-    x = (v16f)_mm512_max_ps(_mm512_min_ps((__m512)x, _mm512_set1_ps(88.f)), _mm512_set1_ps(-87.f));
+    x = (v16f)_mm512_max_ps(_mm512_min_ps((__m512)x, _mm512_set1_ps(EXP_HI)), _mm512_set1_ps(EXP_LO));
     const v16f nf = (v16f)_mm512_roundscale_ps((__m512)(x * 1.44269504f), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 #else
-    const v16f lo = (v16f){0} - 87.f, hi = (v16f){0} + 88.f, zero = {0};
+    const v16f lo = (v16f){0} + EXP_LO, hi = (v16f){0} + EXP_HI, zero = {0};
     x = select16(x < lo, lo, select16(x > hi, hi, x));
     const v16f half = select16(x < zero, zero - 0.5f, zero + 0.5f);
     const v16i n = __builtin_convertvector(x * 1.44269504f + half, v16i); /* truncates: round(x / ln2) */
@@ -396,7 +399,7 @@ DEFINE_SCORE(bf16, bf16_t)
             }                                                                                        \
             for (; d < inter; d++) { /* exp clamped as exp16's: -ffast-math assumes no infinities */  \
                 const float x = LOAD(g[d]);                                                          \
-                o[d] = STORE(ROUND(x / (1.f + expf(x > -88.f ? -x : 88.f))) * LOAD(u[d]));           \
+                o[d] = STORE(ROUND(x / (1.f + expf(x > -EXP_HI ? -x : EXP_HI))) * LOAD(u[d]));           \
             }                                                                                        \
         }                                                                                            \
     }
