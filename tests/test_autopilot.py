@@ -19,7 +19,7 @@ from appliance.records import ITERATION_METRICS, HoldCause, IterationStats, Requ
 from appliance.server.autopilot import FOLLOW_UP_S, SOURCE, Autopilot
 from appliance.server.autopilot_stalls import STARVED
 from appliance.server.autopilot_choice import (LOAD_GROWTH, MARGIN, USED, Choice, Forecast, candidates, heavier,
-                                              load_checked, never_reached, pick)
+                                              load_checked, never_reached, pick, weigh)
 from appliance.server.autopilot_policy import (DecodeGaps, Move, SpecError, WindowStats, decide, parse_spec, window_stats,
                                                worst_gaps)
 from appliance.sim.fit import MIN_ROWS, EngineKey, StepTimeModel
@@ -524,7 +524,7 @@ def test_a_raise_of_prefills_at_once_that_would_stall_every_stream_is_barred(per
     else:
         assert move is None and engine.version == version
         reason = ap.view()["last_decision"]["reason"]
-        assert reason.startswith("hold: max_long_partial_prefills 1→2 barred: 2 prefill chunks of 64 tokens beside the ")
+        assert reason.startswith("hold: max_long_partial_prefills 1→2 barred: 2 prefill chunk(s) of 64 tokens beside the ")
         wait_ms = int(reason.split("waiting ")[1].split(" ms")[0])
         assert 150 < wait_ms < 250
         assert ("but 2 is past the operator's 1" in reason) == (stats.ttft_p99 >= STARVED * ttft_s)
@@ -546,7 +546,7 @@ def test_a_raise_of_prefills_at_once_must_keep_the_target_at_the_p99_with_the_er
     why = raise_stalls(model, [step], prompts, knobs, spec, Move({"max_long_partial_prefills": 2}, "TTFT"), 1.9)
     assert (why is not None) == barred
     if barred:
-        assert why == ("max_long_partial_prefills 1→2 barred: 2 prefill chunks of 64 tokens beside the 4 decode rows "
+        assert why == ("max_long_partial_prefills 1→2 barred: 2 prefill chunk(s) of 64 tokens beside the 4 decode rows "
                        f"the window has run would keep them waiting 235 ms at the p99 of the step-time model's spread "
                        f"(held-out error {heldout_mape:.0%}; ITL target {itl_ms} ms)")
 
@@ -570,6 +570,68 @@ def test_a_raise_of_prefills_at_once_is_not_barred_while_the_queue_starves(ttft_
     assert (why is not None) == barred
     assert (why is not None and why.endswith("the queue starves (TTFT p99 2.0 s), but 2 is past the operator's 1")) == (
         operator == 1)
+
+
+def test_a_queue_held_by_the_prompts_prefilled_at_once_also_tries_a_larger_chunk():
+    # TTFT over target, the long partial-prefill limit holding the queue: besides one more long
+    # prompt at once, the chunk at 1.5x and 2x (a larger chunk drains each held prompt in fewer
+    # steps), inside the operator's bounds; a queue held by max_num_seqs tries no chunk
+    knobs = Knobs(long_prefill_token_threshold=80, max_num_partial_prefills=4, max_long_partial_prefills=1)
+    held = {c: 0.0 for c in HoldCause}
+    w = WindowStats(20, 4.2, 0.12, {**held, HoldCause.LONG_PARTIAL_PREFILLS: 30.0}, 0.5, 0.6)
+    spec = parse_spec("ttft_p99=3s,itl_p99=150ms,long_prefill_token_threshold=64..256,max_long_partial_prefills=1..2")
+    moves = [m.changes for m in candidates(w, knobs, spec)]
+    assert moves == [{"max_long_partial_prefills": 2}, {"long_prefill_token_threshold": 120},
+                     {"long_prefill_token_threshold": 160}]
+    narrow = parse_spec("ttft_p99=3s,long_prefill_token_threshold=64..128,max_long_partial_prefills=1..2")
+    assert [m.changes for m in candidates(w, knobs, narrow)][1:] == [{"long_prefill_token_threshold": 120},
+                                                                     {"long_prefill_token_threshold": 128}]
+    by_seqs = replace(w, held_s={**held, HoldCause.MAX_NUM_SEQS: 30.0})
+    assert all("long_prefill_token_threshold" not in m.changes for m in candidates(by_seqs, knobs, spec))
+
+
+@pytest.mark.parametrize("chunk, barred", [(96, False), (128, True)])
+def test_a_raise_of_the_chunk_that_would_stall_every_stream_is_barred(chunk, barred):
+    # one prefill chunk beside the window's 4 decode rows (its steps carried one prompt's at most):
+    # 96 tokens keep a 200 ms ITL target at the p99 of the fit's spread, 128 do not (235 ms)
+    from appliance.server.autopilot_stalls import raise_stalls
+
+    model = replace(true_engine(prefill_tokens=0.001), noise=(0.8, 1.0, 1.5))
+    step = replace(iteration(T0, decode=4), decode_seqs=4, decode_context_tokens=1000)
+    knobs = Knobs(long_prefill_token_threshold=64, max_num_partial_prefills=2, max_long_partial_prefills=1)
+    prompts = [dataclasses.replace(request(T0, 1.9), prompt_tokens=600)]
+    why = raise_stalls(model, [step], prompts, knobs, parse_spec("ttft_p99=1s,itl_p99=200ms"),
+                       Move({"long_prefill_token_threshold": chunk}, "TTFT"), 1.9)
+    assert why == (None if not barred else
+                   "long_prefill_token_threshold 64→128 barred: 1 prefill chunk(s) of 128 tokens beside the 4 decode "
+                   "rows the window has run would keep them waiting 235 ms at the p99 of the step-time model's spread "
+                   "(held-out error 0%; ITL target 200 ms)")
+
+
+@pytest.mark.parametrize("ttft_s, taken", [(4.2, {"long_prefill_token_threshold": 120}),
+                                           (6.0, {"max_long_partial_prefills": 2})])
+def test_a_candidate_that_pushes_the_other_targets_p99_past_it_is_not_weighed(ttft_s, taken):
+    # TTFT over its 3 s target: one more long prompt at once is replayed at the best attainment
+    # but with ITL p99 162 → 279 ms, past its 150 ms target (run 96); the larger chunk gains less
+    # and keeps ITL: it is taken. Once the queue starves (TTFT p99 at twice its target) every
+    # request it holds has missed already, and the best attainment is taken whatever its ITL
+    spec = parse_spec("ttft_p99=3s,itl_p99=150ms")
+    held = {c: 0.0 for c in HoldCause}
+    w = WindowStats(20, ttft_s, 0.12, {**held, HoldCause.LONG_PARTIAL_PREFILLS: 30.0}, 0.5, 0.6)
+    base = Forecast(0.77, 3.456, 0.162)
+    tried = [(Move({"max_long_partial_prefills": 2}, "more at once"), Forecast(0.88, 1.442, 0.279)),
+             (Move({"long_prefill_token_threshold": 120}, "larger chunk"), Forecast(0.84, 2.1, 0.17))]
+    prediction: dict = {}
+    choice = weigh(w, spec, base, tried, prediction)
+    assert choice.move is not None and choice.move.changes == taken
+    starving = ttft_s >= STARVED * 3
+    assert prediction.get("pushed_past") == (None if starving else
+                                             ["max_long_partial_prefills=2: ITL p99 162 → 279 ms (target 150 ms)"])
+    alone = weigh(w, spec, base, tried[:1], {})
+    assert (alone.move is None) != starving
+    if not starving:
+        assert alone.reason == ("hold: every candidate pushes a target's p99 past it (max_long_partial_prefills=2: "
+                                "ITL p99 162 → 279 ms (target 150 ms))")
 
 
 def test_a_chosen_cut_of_max_num_seqs_is_checked_at_twice_the_windows_arrival_rate():

@@ -12,8 +12,8 @@ requests to replay, a prefill stall the iterations show, or one the step-time mo
 from a whole chunk beside the decode rows in flight, cuts the chunk (autopilot_stalls), else
 hold; with enough of them and TTFT p99 within its target, such a stall cuts the chunk as well (a
 replay of the finished requests alone misses the streams it stalled that are still in flight);
-no candidate move: hold. A raise of the prompts prefilled at once that the step-time model
-foresees stalling decode rows past the ITL target is barred (autopilot_stalls.raise_stalls),
+no candidate move: hold. A raise of the prompts prefilled at once, or of the chunk, that the
+step-time model foresees stalling decode rows past the ITL target is barred (autopilot_stalls.raise_stalls),
 from the replayed candidates and from the rules' move alike. A replay that ends in a hold leaves
 the choice to the stall answer when the window's prefill steps stalled (`or_stall_cut`).
 Replays (`replayed`) are bounded (the newest MAX_REQUESTS requests, a time budget checked
@@ -39,7 +39,7 @@ from appliance.sim.replay import CacheShape, ReplayError, SimRequest, replay
 
 from .autopilot_policy import (MIN_REQUESTS, Choice, DecodeGaps, Move, Spec, WindowStats, bounded_move, decide, p99,
                                relaxed, undoes_raise, window_stats)
-from .autopilot_stalls import chunk_cut, fit_window, raise_stalls
+from .autopilot_stalls import STARVED, chunk_cut, fit_window, raise_stalls
 
 MARGIN = 0.05  # a candidate must raise the predicted attainment by this share of requests...
 P99_MARGIN = 0.2  # ...or, at no loss of attainment, cut the worst target's predicted p99 by this share
@@ -64,6 +64,13 @@ RAISES: dict[HoldCause, Callable[[int], list[int]]] = {
     HoldCause.PARTIAL_PREFILLS: lambda v: [v + 1],
     HoldCause.LONG_PARTIAL_PREFILLS: lambda v: [v + 1],
 }
+# the limits on prompts prefilled at once hold a queue for as many steps as the prompts in
+# progress take to prefill: a larger chunk drains each of them in fewer steps, and puts fewer
+# tokens beside the decode rows than one more chunk would (benchmarks/autopilot.py run 96: with
+# 80-token chunks, max_long_partial_prefills 1→2 for a TTFT p99 of 4.2 s, replayed at an ITL p99
+# of 279 ms, and 270 misses in the long prompts' phase where the way with 112-token chunks had none)
+DRAINED_BY_CHUNK = (HoldCause.PARTIAL_PREFILLS, HoldCause.LONG_PARTIAL_PREFILLS)
+CHUNK = "long_prefill_token_threshold"
 
 
 @dataclass(frozen=True)
@@ -106,8 +113,10 @@ def candidates(w: WindowStats, knobs: Knobs, spec: Spec, last_raise: Mapping[str
     several times the target needs more than one halving), and a raise of max_num_seqs is tried
     even with the KV cache nearly full (the replay shows whether preemptions eat the gain). A
     lower max_num_seqs is tried, as by the rules, only when the steps without prefill stall the
-    decode rows themselves (`WindowStats.decode_rows_stall`). None lowers a knob the autopilot's
-    raise in force raised (`raised`; `undoes_raise`), but the relax rule's own move."""
+    decode rows themselves (`WindowStats.decode_rows_stall`). A TTFT over target that a limit on
+    the prompts prefilled at once held also tries the chunk at 1.5x and 2x (`DRAINED_BY_CHUNK`).
+    None lowers a knob the autopilot's raise in force raised (`raised`; `undoes_raise`), but the
+    relax rule's own move."""
     rule = decide(w, knobs, spec, dict(last_raise or {}))
     out = [rule] if rule is not None and (relaxed(w, spec) or not undoes_raise(rule, knobs, raised)) else []
     ttft_over, itl_over = over_targets(w, spec)
@@ -117,13 +126,17 @@ def candidates(w: WindowStats, knobs: Knobs, spec: Spec, last_raise: Mapping[str
         for cause in sorted((c for c in RAISES if w.held_s[c] > 0), key=lambda c: -w.held_s[c]):
             why = f"TTFT p99 {w.ttft_p99:.3f} s over target; {w.held_s[cause] / total:.0%} of queueing held by {cause}"
             out += [m for v in RAISES[cause](k[cause.value]) if (m := bounded_move(knobs, spec, cause.value, v, why))]
+            if cause in DRAINED_BY_CHUNK:
+                drain = f"{why}: a larger chunk prefills each held prompt in fewer steps"
+                out += [m for v in (math.ceil(k[CHUNK] * 1.5), k[CHUNK] * 2)
+                        if (m := bounded_move(knobs, spec, CHUNK, v, drain))]
     if itl_over:
         why = f"ITL p99 {(w.itl_p99 or 0) * 1000:.0f} ms over target"
-        chunk = k["long_prefill_token_threshold"]
-        for name, value in (("long_prefill_token_threshold", max(1, chunk // 2)),
+        chunk = k[CHUNK]
+        for name, value in ((CHUNK, max(1, chunk // 2)),
                             ("max_num_batched_tokens", max(1, k["max_num_batched_tokens"] // 2)),
                             ("max_num_partial_prefills", max(1, k["max_num_partial_prefills"] // 2)),
-                            ("long_prefill_token_threshold", max(1, chunk // 4)),
+                            (CHUNK, max(1, chunk // 4)),
                             ("max_num_seqs", w.fewer_seqs(k["max_num_seqs"]))):
             if name == "max_num_seqs" and not w.decode_rows_stall(spec.targets["itl_p99"]):
                 continue
@@ -349,9 +362,21 @@ def rules_only(rule: Move | None, why: str) -> Choice:
 def weigh(w: WindowStats, spec: Spec, base: Forecast, tried: Sequence[tuple[Move, Forecast]],
           prediction: dict[str, Any], headroom: float = 0.0) -> Choice:
     """The best candidate (`pick`, with `headroom`) if it beats the knobs in force by the margin
-    (a give-back: if it loses nothing and keeps the targets with `headroom` to spare), else hold."""
+    (a give-back: if it loses nothing and keeps the targets with `headroom` to spare), else hold.
+    For a target missed, candidates that push the other's p99 past it (`pushed_past`) are not
+    weighed unless the queue starves (TTFT p99 at STARVED times its target or more)."""
+    over = any(over_targets(w, spec))
+    ttft_target = spec.targets.get("ttft_p99")
+    starved = ttft_target is not None and w.ttft_p99 is not None and w.ttft_p99 >= STARVED * ttft_target
+    if over and not starved:
+        pushed = {_key(m): why for m, f in tried if (why := pushed_past(base, f, spec))}
+        prediction["pushed_past"] = [f"{_label(m)}: {pushed[_key(m)]}" for m, _ in tried if _key(m) in pushed]
+        if len(pushed) == len(tried):
+            why = "; ".join(prediction["pushed_past"])
+            return Choice(None, f"hold: every candidate pushes a target's p99 past it ({why})", prediction)
+        tried = [(m, f) for m, f in tried if _key(m) not in pushed]
     best, after = pick(tried, spec, headroom)
-    if not any(over_targets(w, spec)):  # the rules give a raise back
+    if not over:  # the rules give a raise back
         wins = after.attainment >= base.attainment and after.keeps(spec, headroom)
     else:
         wins = (after.attainment >= base.attainment + MARGIN
@@ -362,6 +387,22 @@ def weigh(w: WindowStats, spec: Spec, base: Forecast, tried: Sequence[tuple[Move
     if not wins:
         return Choice(None, f"hold: the best candidate ({_label(best)}) is not better enough: {verdict}", prediction)
     return Choice(best, f"{best.reason}; {verdict}", prediction)
+
+
+def pushed_past(base: Forecast, after: Forecast, spec: Spec) -> str | None:
+    """How `after` pays for its gain with a target's tail, or None: the p99 it predicts for a target
+    is past that target and more than P99_MARGIN over the knobs in force's (`base`). A replay
+    carries only the window's finished requests, and the streams in flight pay such a cost unseen
+    (benchmarks/autopilot.py run 96: max_long_partial_prefills 1→2 for TTFT, replayed at 77 → 88 %
+    within the targets with ITL p99 162 → 279 ms; the next window's replay of it predicted 15 %,
+    and the long prompts' phase missed 270 requests where the way that made no such raise missed none)."""
+    for name, before, now in (("ttft_p99", base.ttft_p99, after.ttft_p99), ("itl_p99", base.itl_p99, after.itl_p99)):
+        target = spec.targets.get(name)
+        if target and now is not None and now > target and (before is None or now > (1 + P99_MARGIN) * before):
+            was = "-" if before is None else f"{before * 1000:.0f}"
+            label = name.removesuffix("_p99").upper()
+            return f"{label} p99 {was} → {now * 1000:.0f} ms (target {target * 1000:.0f} ms)"
+    return None
 
 
 def pick(tried: Sequence[tuple[Move, Forecast]], spec: Spec, headroom: float = 0.0) -> tuple[Move, Forecast]:

@@ -48,7 +48,8 @@ first 256-token prefill beside a stream; the autopilot's ways missed 2 requests 
 the chat phase, the best fixed setting 0.2).
 
 The same model bars a raise of the prompts prefilled at once (`raise_stalls`): each one more
-puts another chunk beside the decode rows, and a raise that TTFT asks for must not buy the queued
+puts another chunk beside the decode rows (as a raise of the chunk, which TTFT also asks for when
+such a limit holds the queue, puts a larger one), and a raise that TTFT asks for must not buy the queued
 prompts' first tokens with a stall of every stream in flight (benchmarks/autopilot.py runs 34-35:
 max_long_partial_prefills 1→2 during the long prompts, and ITL misses all through that phase). It
 is barred unless the step it allows keeps the target at the p99 of the fit's spread with the
@@ -213,11 +214,12 @@ def foresight(iterations: Sequence[IterationStats], knobs: Knobs, spec: Spec, fi
 def raise_stalls(model: StepTimeModel, iterations: Sequence[IterationStats], requests: Sequence[RequestStats],
                  knobs: Knobs, spec: Spec, move: Move, ttft_p99: float | None,
                  operator: Mapping[str, Any] | None = None) -> str | None:
-    """Why `move` is barred, or None: it raises a limit on the prompts prefilled at once to n, and
-    the heaviest decode step of the window with n prefill chunks beside it (each a whole chunk, or
-    the window's longest prompt if shorter; within the token budget) would keep its decode rows
-    waiting past the ITL target at the p99 of the fit's spread with the model's held-out error to
-    spare: the test a stall cut of that limit passes, so that no raise is made that the stall
+    """Why `move` is barred, or None: it raises a limit on the prompts prefilled at once to n, or
+    the chunk, and the heaviest decode step of the window with its prefill chunks after the move
+    beside it (n of them, or for a chunk raise as many as the step carried, at least one; each a
+    whole chunk, or the window's longest prompt if shorter; within the token budget) would keep its
+    decode rows waiting past the ITL target at the p99 of the fit's spread with the model's
+    held-out error to spare: the test a stall cut passes, so that no raise is made that the stall
     answer would cut again (benchmarks/autopilot.py run 61: a raise of max_long_partial_prefills
     allowed at the median, 1→2, and ten seconds later the stall cut max_num_partial_prefills to 2).
     Not barred while the window's TTFT p99 (`ttft_p99`) is STARVED times its target or more and the
@@ -231,7 +233,7 @@ def raise_stalls(model: StepTimeModel, iterations: Sequence[IterationStats], req
     operator's value the bar stands, starving or not (runs 85 and 87: see the module's doc)."""
     target, ttft_target = spec.targets.get("itl_p99"), spec.targets.get("ttft_p99")
     now = knobs.as_dict()
-    raised = [(name, n) for name, n in move.changes.items() if name in PREFILLS_AT_ONCE and n > now[name]]
+    raised = [(name, n) for name, n in move.changes.items() if name in (*PREFILLS_AT_ONCE, KNOB) and n > now[name]]
     decoding = [composition_of(it.as_dict()) for it in iterations if it.decode_seqs > 0]
     if not target or not raised or not decoding or not requests:
         return None
@@ -239,20 +241,25 @@ def raise_stalls(model: StepTimeModel, iterations: Sequence[IterationStats], req
     operator = operator or {}
     if starved and all(value <= operator.get(limit, 0) for limit, value in raised):
         return None
-    name, n = max(raised, key=lambda r: r[1])
+    prefills = [(name, n) for name, n in raised if name != KNOB]
+    name, n = max(prefills, key=lambda r: r[1]) if prefills else raised[0]
     after = knobs.with_changes(move.changes)
     size = min(after.long_prefill_token_threshold, max(r.prompt_tokens for r in requests))
-    steps = [replace(c, prefill_seqs=n, prefill_tokens=max(0, min(n * size, after.max_num_batched_tokens - c.decode_rows)))
-             for c in decoding]
-    worst = max(steps, key=lambda c: wait_at(model, c, size, TAIL))
+
+    def with_chunks(c: Composition) -> Composition:
+        prompts = n if prefills else max(1, c.prefill_seqs)
+        return replace(c, prefill_seqs=prompts,
+                       prefill_tokens=max(0, min(prompts * size, after.max_num_batched_tokens - c.decode_rows)))
+
+    worst = max(map(with_chunks, decoding), key=lambda c: wait_at(model, c, size, TAIL))
     if (wait := wait_at(model, worst, size, TAIL)) * (1 + model.heldout_mape) <= target:
         return None
     past = (f"; the queue starves (TTFT p99 {ttft_p99:.1f} s), but {n} is past the operator's {operator[name]}"
             if starved and name in operator else "")
-    return (f"{name} {now[name]}→{n} barred: {n} prefill chunks of {size} tokens beside the {worst.decode_rows} "
-            f"decode rows the window has run would keep them waiting {wait * 1000:.0f} ms at the p99 of the "
-            f"step-time model's spread (held-out error {model.heldout_mape:.0%}; ITL target {target * 1000:.0f} ms)"
-            f"{past}")
+    return (f"{name} {now[name]}→{n} barred: {worst.prefill_seqs} prefill chunk(s) of {size} tokens beside the "
+            f"{worst.decode_rows} decode rows the window has run would keep them waiting {wait * 1000:.0f} ms at the "
+            f"p99 of the step-time model's spread (held-out error {model.heldout_mape:.0%}; ITL target "
+            f"{target * 1000:.0f} ms){past}")
 
 
 def priced(iterations: Sequence[IterationStats], fixed: Mapping[str, Any]) -> StepTimeModel | None:
