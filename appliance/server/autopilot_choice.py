@@ -13,9 +13,10 @@ from a whole chunk beside the decode rows in flight, cuts the chunk (autopilot_s
 hold; with enough of them and TTFT p99 within its target, such a stall cuts the chunk as well (a
 replay of the finished requests alone misses the streams it stalled that are still in flight);
 no candidate move: hold. A raise of the prompts prefilled at once, or of the chunk, that the
-step-time model foresees stalling decode rows past the ITL target is barred (autopilot_stalls.raise_stalls),
-from the replayed candidates and from the rules' move alike. A replay that ends in a hold leaves
-the choice to the stall answer when the window's prefill steps stalled (`or_stall_cut`).
+step-time model foresees stalling decode rows past the ITL target is barred
+(autopilot_stalls.raise_stalls), from the replayed candidates and from the rules' move alike. A
+replay that ends in a hold leaves the choice to the stall answer when the window's prefill steps
+stalled (`or_stall_cut`).
 Replays (`replayed`) are bounded (the newest MAX_REQUESTS requests, a time budget checked
 between replays, the load check's two excepted; a candidate that only lowers a limit the replay
 of the knobs in force never came up to is not replayed: its forecast is that replay's) and run
@@ -39,6 +40,7 @@ from appliance.sim.replay import CacheShape, ReplayError, SimRequest, replay
 
 from .autopilot_policy import (MIN_REQUESTS, Choice, DecodeGaps, Move, Spec, WindowStats, bounded_move, decide, p99,
                                relaxed, undoes_raise, window_stats)
+from .autopilot_stalls import KNOB as CHUNK
 from .autopilot_stalls import STARVED, chunk_cut, fit_window, raise_stalls
 
 MARGIN = 0.05  # a candidate must raise the predicted attainment by this share of requests...
@@ -65,12 +67,12 @@ RAISES: dict[HoldCause, Callable[[int], list[int]]] = {
     HoldCause.LONG_PARTIAL_PREFILLS: lambda v: [v + 1],
 }
 # the limits on prompts prefilled at once hold a queue for as many steps as the prompts in
-# progress take to prefill: a larger chunk drains each of them in fewer steps, and puts fewer
-# tokens beside the decode rows than one more chunk would (benchmarks/autopilot.py run 96: with
-# 80-token chunks, max_long_partial_prefills 1→2 for a TTFT p99 of 4.2 s, replayed at an ITL p99
-# of 279 ms, and 270 misses in the long prompts' phase where the way with 112-token chunks had none)
+# progress take to prefill: a larger chunk drains each of them in fewer steps (and fewer prompts
+# count as long); what it costs the streams the stall bar and the replay price, as for one more
+# prompt at once (benchmarks/autopilot.py run 96: with 80-token chunks, max_long_partial_prefills
+# 1→2 for a TTFT p99 of 4.2 s, and 270 misses in the long prompts' phase where the way with
+# 112-token chunks had none)
 DRAINED_BY_CHUNK = (HoldCause.PARTIAL_PREFILLS, HoldCause.LONG_PARTIAL_PREFILLS)
-CHUNK = "long_prefill_token_threshold"
 
 
 @dataclass(frozen=True)

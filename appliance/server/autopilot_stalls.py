@@ -48,8 +48,8 @@ first 256-token prefill beside a stream; the autopilot's ways missed 2 requests 
 the chat phase, the best fixed setting 0.2).
 
 The same model bars a raise of the prompts prefilled at once (`raise_stalls`): each one more
-puts another chunk beside the decode rows (as a raise of the chunk, which TTFT also asks for when
-such a limit holds the queue, puts a larger one), and a raise that TTFT asks for must not buy the queued
+puts another chunk beside the decode rows (a raise of the chunk, which TTFT also asks for when
+such a limit holds the queue, a larger one), and a raise that TTFT asks for must not buy the queued
 prompts' first tokens with a stall of every stream in flight (benchmarks/autopilot.py runs 34-35:
 max_long_partial_prefills 1→2 during the long prompts, and ITL misses all through that phase). It
 is barred unless the step it allows keeps the target at the p99 of the fit's spread with the
