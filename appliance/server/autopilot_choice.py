@@ -41,7 +41,7 @@ from appliance.sim.replay import CacheShape, ReplayError, SimRequest, replay
 from .autopilot_policy import (MIN_REQUESTS, Choice, DecodeGaps, Move, Spec, WindowStats, bounded_move, decide, p99,
                                relaxed, undoes_raise, window_stats)
 from .autopilot_stalls import KNOB as CHUNK
-from .autopilot_stalls import STARVED, chunk_cut, fit_window, raise_stalls
+from .autopilot_stalls import chunk_cut, fit_window, raise_stalls, starves
 
 MARGIN = 0.05  # a candidate must raise the predicted attainment by this share of requests...
 P99_MARGIN = 0.2  # ...or, at no loss of attainment, cut the worst target's predicted p99 by this share
@@ -366,11 +366,9 @@ def weigh(w: WindowStats, spec: Spec, base: Forecast, tried: Sequence[tuple[Move
     """The best candidate (`pick`, with `headroom`) if it beats the knobs in force by the margin
     (a give-back: if it loses nothing and keeps the targets with `headroom` to spare), else hold.
     For a target missed, candidates that push the other's p99 past it (`pushed_past`) are not
-    weighed unless the queue starves (TTFT p99 at STARVED times its target or more)."""
+    weighed unless the queue starves (`starves`)."""
     over = any(over_targets(w, spec))
-    ttft_target = spec.targets.get("ttft_p99")
-    starved = ttft_target is not None and w.ttft_p99 is not None and w.ttft_p99 >= STARVED * ttft_target
-    if over and not starved:
+    if over and not starves(w.ttft_p99, spec):
         pushed = {_key(m): why for m, f in tried if (why := pushed_past(base, f, spec))}
         prediction["pushed_past"] = [f"{_label(m)}: {pushed[_key(m)]}" for m, _ in tried if _key(m) in pushed]
         if len(pushed) == len(tried):

@@ -231,13 +231,13 @@ def raise_stalls(model: StepTimeModel, iterations: Sequence[IterationStats], req
     long prompts' phase held 100 % of the queue on that limit, TTFT p99 reached 10.6 s, and every
     raise 1→2 was barred: 51 misses against the best fixed setting's 37 there). Past the
     operator's value the bar stands, starving or not (runs 85 and 87: see the module's doc)."""
-    target, ttft_target = spec.targets.get("itl_p99"), spec.targets.get("ttft_p99")
+    target = spec.targets.get("itl_p99")
     now = knobs.as_dict()
     raised = [(name, n) for name, n in move.changes.items() if name in (*PREFILLS_AT_ONCE, KNOB) and n > now[name]]
     decoding = [composition_of(it.as_dict()) for it in iterations if it.decode_seqs > 0]
     if not target or not raised or not decoding or not requests:
         return None
-    starved = ttft_target is not None and ttft_p99 is not None and ttft_p99 >= STARVED * ttft_target
+    starved = starves(ttft_p99, spec)
     operator = operator or {}
     if starved and all(value <= operator.get(limit, 0) for limit, value in raised):
         return None
@@ -260,6 +260,13 @@ def raise_stalls(model: StepTimeModel, iterations: Sequence[IterationStats], req
             f"{worst.decode_rows} decode rows the window has run would keep them waiting {wait * 1000:.0f} ms at the "
             f"p99 of the step-time model's spread (held-out error {model.heldout_mape:.0%}; ITL target "
             f"{target * 1000:.0f} ms){past}")
+
+
+def starves(ttft_p99: float | None, spec: Spec) -> bool:
+    """Whether a window's TTFT p99 is STARVED times its target or more: every request the queue
+    holds has missed the SLO already, however it streams."""
+    target = spec.targets.get("ttft_p99")
+    return target is not None and ttft_p99 is not None and ttft_p99 >= STARVED * target
 
 
 def priced(iterations: Sequence[IterationStats], fixed: Mapping[str, Any]) -> StepTimeModel | None:
