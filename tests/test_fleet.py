@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -188,6 +189,18 @@ def test_the_dashboards_replica_selector_in_chromium(fleet, replica_ids, browser
     with ThreadPoolExecutor(16) as pool:  # both replicas run iterations within the Live tab's minute
         served = {replica for _, replica in pool.map(lambda p: _chat(client, p), PROMPTS * 2)}
     assert served == set(replica_ids)
+    stop = threading.Event()
+
+    def keep_serving() -> None:
+        """Bursts like the one above until the chart is read (at most 150 s): on a loaded box the
+        dashboard may start later than the Live tab's minute after that burst."""
+        deadline = time.monotonic() + 150
+        with ThreadPoolExecutor(16) as pool:
+            while not stop.is_set() and time.monotonic() < deadline:
+                list(pool.map(lambda p: _chat(client, p), PROMPTS * 2))
+
+    traffic = threading.Thread(target=keep_serving, daemon=True)
+    traffic.start()
     with run_app(build=with_dashboard) as url:
         context = browser.new_context(viewport={"width": 1600, "height": 1100})
         try:
@@ -198,6 +211,7 @@ def test_the_dashboards_replica_selector_in_chromium(fleet, replica_ids, browser
                 f"""(ids) => {{ const names = [...document.querySelectorAll('{legend}')].map(e => e.textContent);
                     return names.includes('fleet total (mean)') && ids.every(id => names.includes('replica ' + id)); }}""",
                 arg=replica_ids, timeout=60_000)
+            stop.set()
             page.locator("#live-replica input").click()
             options = page.get_by_role("option")
             options.filter(has_text=f"replica {replica_ids[1]}").wait_for(timeout=30_000)
@@ -209,7 +223,9 @@ def test_the_dashboards_replica_selector_in_chromium(fleet, replica_ids, browser
                     return names.includes('running (mean)') && !names.some(n => n.startsWith('replica ')); }}""",
                 timeout=60_000)
         finally:
+            stop.set()
             context.close()
+            traffic.join(timeout=300)
 
 
 def test_the_fleet_size_is_a_telemetry_series(fleet, replica_ids):
