@@ -151,6 +151,19 @@ class RequestStats:
 
 
 @dataclass(frozen=True)
+class InFlightRequest:
+    """A request the engine has not finished, as `LLMEngine.in_flight` reads it at one moment (not
+    stored: the autopilot's view of the backlog its finished requests cannot show)."""
+
+    arrival: float  # wall clock, s
+    prompt_tokens: int
+    output_tokens: int  # generated so far
+    max_tokens: int  # the most it may generate (its sampling parameters; validated to fit the context)
+    first_token: float | None  # wall clock of its first token; None while it waits for it
+    cached_tokens: int  # prompt tokens served from the prefix cache (0 until it is first admitted)
+
+
+@dataclass(frozen=True)
 class KnobChange:
     """One applied knob change: what changed, and the iteration at which it took effect; who
     changed it, why (the autopilot always says; a person may) and, for the autopilot's moves, what

@@ -15,7 +15,7 @@ import pytest
 
 from appliance.engine import Knobs
 from appliance.engine.knobs import KnobState, KnobUpdate
-from appliance.records import ITERATION_METRICS, HoldCause, IterationStats, RequestStats
+from appliance.records import ITERATION_METRICS, HoldCause, InFlightRequest, IterationStats, RequestStats
 from appliance.server.autopilot import FOLLOW_UP_S, SOURCE, Autopilot
 from appliance.server.autopilot_stalls import STARVED
 from appliance.server.autopilot_choice import (LOAD_GROWTH, MARGIN, USED, Choice, Forecast, candidates, heavier,
@@ -72,14 +72,16 @@ class Engine:
 UNBOUNDED_S = 600.0
 
 
-def pilot(spec: str, fixed: dict | None = None, window_s: float = 30, worker=None, **knobs) -> tuple[Autopilot, Engine]:
+def pilot(spec: str, fixed: dict | None = None, window_s: float = 30, worker=None, in_flight=None,
+          **knobs) -> tuple[Autopilot, Engine]:
     """An autopilot on the scripted engine: by the rules alone, or with `fixed`, by simulation
     (in `worker`'s process when given one), with a replay budget no machine's speed or load runs
-    out of (the server's 5 s cut a round short on a loaded box: its choice then depends on timing)."""
+    out of (the server's 5 s cut a round short on a loaded box: its choice then depends on timing);
+    `in_flight`: the engine's unfinished requests, as LLMEngine.in_flight gives them."""
     engine = Engine(**knobs)
     ap = Autopilot(lambda: engine.state.snapshot, engine.apply, parse_spec(spec),
                    fixed=(lambda: fixed) if fixed else None, window_s=window_s, cooldown_s=10, manual_hold_s=60,
-                   worker=worker, replay_budget_s=UNBOUNDED_S)
+                   worker=worker, replay_budget_s=UNBOUNDED_S, in_flight=in_flight)
     engine.sinks.append(ap)
     return ap, engine
 
@@ -1274,3 +1276,87 @@ def test_a_candidate_its_replay_would_not_change_is_not_replayed(monkeypatch):
     for changes in unreached:  # what its replay would have said: the same steps, the same requests
         out = real(reqs, knobs.with_changes(changes), *args, **kwargs)
         assert schedule(out) == schedule(base) and out.summary == base.summary
+
+
+# -- the backlog: requests still in flight at the decision --------------------------------------------
+
+def window_at(ap: Autopilot, knobs: Knobs, step: StepTimeModel, arriving: list[SimRequest], now: float,
+              max_tokens: int) -> list[InFlightRequest]:
+    """Feed what the true engine showed of `arriving` (served under `knobs`) up to `now` seconds
+    after T0: the iterations that started by then and the requests that finished by then; returns
+    the others that had arrived, as LLMEngine.in_flight would give them at T0 + now."""
+    out = replay(arriving, knobs, CacheShape(FIXED["num_blocks"], FIXED["block_size"], FIXED["max_model_len"]), step)
+    for it in out.iterations:
+        if it.started_at <= now:
+            ap.on_iteration(replace(it, started_at=T0 + it.started_at))
+    pending = []
+    for r, sent in zip(out.results, arriving):
+        first, end = r.sent_at + r.ttft, r.sent_at + r.e2e
+        if end <= now:
+            ap.on_request(RequestStats(str(r.index), "api", None, T0 + r.sent_at, T0 + r.sent_at, T0 + first,
+                                       T0 + end, sent.prompt_tokens, r.output_tokens, "length", 0, 0))
+        elif r.sent_at <= now:
+            token_times = [first + sum(r.itl[:k]) for k in range(len(r.itl) + 1)]
+            pending.append(InFlightRequest(T0 + r.sent_at, sent.prompt_tokens, sum(t <= now for t in token_times),
+                                           max_tokens, T0 + first if first <= now else None, 0))
+    return pending
+
+
+def test_a_backlog_the_finished_requests_do_not_show_moves_the_knobs():
+    # 20 short chats at 4/s, all within a 1 s TTFT target, then 8 long replies at once with
+    # max_num_seqs 2: 2.5 s into the burst the first two have finished, two more stream since
+    # 1.5 s after arriving and four still wait. The finished requests all met the target (the
+    # window alone reads "targets met"); with the requests in flight the TTFT p99 is over it, the
+    # replay of the knobs in force, checked against the 22 finished and the 6 missed already,
+    # agrees with what was measured, and the raise that serves the burst at once is made
+    step = true_engine()
+    knobs = Knobs(max_num_seqs=2)
+    arriving = [SimRequest(i / 4, 64, 8) for i in range(20)] + [SimRequest(5.0, 64, 64) for _ in range(8)]
+    spec = "ttft_p99=1s,max_num_seqs=2..16"
+
+    blind, blind_engine = pilot(spec, fixed=FIXED, window_s=300, max_num_seqs=2)
+    window_at(blind, knobs, step, arriving, 7.5, 64)
+    assert blind.tick(T0 + 7.5) is None and blind_engine.version == 0
+    assert blind.view()["last_decision"]["reason"] == "hold: targets met"
+
+    pending: list[InFlightRequest] = []
+    ap, engine = pilot(spec, fixed=FIXED, window_s=300, in_flight=lambda: pending, max_num_seqs=2)
+    pending += window_at(ap, knobs, step, arriving, 7.5, 64)
+    assert len(pending) == 6 and sum(r.first_token is not None for r in pending) == 2
+    assert len(ap._requests) == 22
+    move = ap.tick(T0 + 7.5)
+    assert move is not None and engine.knobs.max_num_seqs > 2
+    prediction = ap.view()["moves"][-1]["prediction"]
+    assert prediction["in_flight"] == 6 and prediction["missed_in_flight"] == 6
+    assert prediction["measured_attainment"] == pytest.approx(22 / 28)
+    assert prediction["before"]["attainment"] < prediction["after"]["attainment"]
+
+
+def test_the_window_counts_requests_in_flight_by_what_they_have_shown_so_far():
+    # a request waiting 4 s has a TTFT of at least 4 s; one streaming since 0.5 s after it arrived
+    # has had the window's 0.3 s gap: both count, finished ones as ever
+    its = [iteration(T0 + i * 0.1, duration=0.1) for i in range(20)] + [iteration(T0 + 2.0, duration=0.3)]
+    done = [request(T0 + i * 0.1, 0.2) for i in range(10)]
+    waiting = InFlightRequest(T0 - 1.7, 64, 0, 32, None, 0)
+    streaming = InFlightRequest(T0 + 1.0, 64, 5, 32, T0 + 1.5, 0)
+    alone = window_stats(its, done)
+    both = window_stats(its, done, in_flight=[waiting, streaming], now=T0 + 2.3)
+    assert alone.ttft_p99 == pytest.approx(0.2) and alone.requests == both.requests == 10
+    assert both.ttft_p99 > 3.5  # the p99 of 0.2 s x 10, 0.5 s and at least 4 s
+    assert alone.itl_p99 == pytest.approx(0.1) and both.itl_p99 > 0.25  # of 0.1 s x 10 and 0.3 s
+
+
+@pytest.mark.parametrize("reasons, expected", [(("length",) * 3, [48, 48]), (("stop", "stop", "length"), [11, 20])])
+def test_a_request_in_flight_is_replayed_with_the_output_its_finished_peers_suggest(reasons, expected):
+    # most finished requests ran to max_tokens: one in flight will too; else it generates the
+    # finished ones' median (11), or one more than it has when it has that many already
+    from appliance.server.autopilot_choice import replayable, sim_requests
+
+    done = [replace(request(T0 + i, 0.2, out=out), finish_reason=why) for i, (out, why) in enumerate(zip((9, 11, 40), reasons))]
+    pending = [InFlightRequest(T0 + 5, 100, 0, 48, None, 0), InFlightRequest(T0 + 4, 100, 19, 48, T0 + 4.5, 16)]
+    finished, in_flight = replayable(done, pending)
+    assert [r.arrival for r in in_flight] == [T0 + 4, T0 + 5]  # by arrival
+    reqs = sim_requests(finished, in_flight)
+    assert [r.arrival for r in reqs] == [0, 1, 2, 4, 5]
+    assert sorted(r.output_tokens for r in reqs[3:]) == expected
+    assert reqs[3].cached_tokens == 16 and reqs[3].cancel_at is None

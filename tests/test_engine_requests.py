@@ -103,6 +103,24 @@ def test_abort_frees_blocks_and_ends_once(make_engine):
     assert not engine.has_unfinished()
 
 
+def test_in_flight_reports_each_unfinished_request_as_it_stands(make_engine):
+    # max_num_seqs 1: after two steps "a" streams (its first token sampled) and "b" still waits;
+    # once both end nothing is in flight
+    engine = make_engine(max_num_seqs=1)
+    prompt = engine.encode_prompt("A long answer please")
+    engine.add_request("a", prompt, SamplingParams(max_tokens=8, ignore_eos=True), arrival=100.0)
+    engine.add_request("b", prompt + prompt, SamplingParams(max_tokens=3, ignore_eos=True), arrival=101.0)
+    engine.step()
+    engine.step()
+    a, b = sorted(engine.in_flight(), key=lambda r: r.arrival)
+    assert (a.arrival, a.prompt_tokens, a.output_tokens, a.max_tokens) == (100.0, len(prompt), 2, 8)
+    assert a.first_token is not None and a.first_token > a.arrival
+    assert (b.arrival, b.prompt_tokens, b.output_tokens, b.max_tokens, b.first_token) == (101.0, 2 * len(prompt), 0, 3,
+                                                                                           None)
+    _run(engine)
+    assert engine.in_flight() == []
+
+
 def test_static_policy_admits_nothing_mid_batch(make_engine, record_iterations):
     engine = make_engine(max_num_seqs=3, max_num_batched_tokens=256, scheduling_policy="static")
     stats = record_iterations(engine)

@@ -26,6 +26,7 @@ from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Sequence, Status
 from .stats import (
     FinishReason,
+    InFlightRequest,
     IterationStats,
     KnobChange,
     RequestStats,
@@ -128,6 +129,14 @@ class LLMEngine:
     @property
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
+
+    def in_flight(self) -> list[InFlightRequest]:
+        """The requests not yet finished, as they stand now; callable from any thread: the table
+        is copied in one call that holds the GIL throughout, and each request's fields are read
+        as the engine thread last wrote them (a step in progress may have updated some)."""
+        seqs = list(self._seqs.values())
+        return [InFlightRequest(s.arrival, s.num_prompt_tokens, s.num_output_tokens, s.params.max_tokens, s.first_token,
+                                s.num_cached_tokens or 0) for s in seqs]
 
     def add_sink(self, sink: StatsSink) -> None:
         self.sinks.append(sink)

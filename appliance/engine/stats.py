@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 from ..records import (  # noqa: F401 - the engine's records, re-exported where the engine names them
     FinishReason,
     HoldCause,
+    InFlightRequest,
     IterationStats,
     KnobChange,
     RequestStats,

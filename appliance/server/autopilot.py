@@ -27,12 +27,12 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ..engine import StatsSink
 from ..engine.knobs import KnobConflict, KnobSnapshot
-from ..records import IterationStats, KnobChange, RequestStats
+from ..records import InFlightRequest, IterationStats, KnobChange, RequestStats
 from .autopilot_choice import BUDGET_S, replayed, without_replay
 from .autopilot_policy import MIN_REQUESTS, Choice, Move, Spec, decide, window_stats
 from .autopilot_stalls import KNOB as CHUNK
@@ -67,8 +67,9 @@ class Autopilot(StatsSink):
                  fixed: Callable[[], Mapping[str, Any]] | None = None, window_s: float = WINDOW_S,
                  cooldown_s: float = COOLDOWN_S, manual_hold_s: float = MANUAL_HOLD_S,
                  clock: Callable[[], float] = time.time, worker: ChoiceWorker | None = None,
-                 replay_budget_s: float = BUDGET_S):
+                 replay_budget_s: float = BUDGET_S, in_flight: Callable[[], Sequence[InFlightRequest]] | None = None):
         self._knobs, self._apply, self._fixed, self._clock = knobs, apply, fixed, clock
+        self._in_flight = in_flight  # the engine's unfinished requests (LLMEngine.in_flight), read at each decision
         self._worker = worker  # where simulations run (None: in the caller's thread)
         self.replay_budget_s = replay_budget_s  # no replay of a round starts after this long
         self.spec = spec
@@ -188,13 +189,15 @@ class Autopilot(StatsSink):
                 operator = dict(self._operator)
                 last_raise = raised if now - self._last_move_at >= self.window_s else {}
             snap = self._knobs()
+            pending = list(self._in_flight()) if self._in_flight is not None else []
             if follow_up:  # only a stall seen under the cut deepens it: no foresight, no replay
                 assert self._fixed is not None  # _follow_up_due holds only with the fixed settings
                 choice = chunk_cut(iterations, snap.knobs, spec, self._fixed(), foresee=False, raised=raised)
                 if choice is None:
                     return None
             else:
-                choice = self._choose(iterations, requests, snap.knobs, spec, last_raise, kept, raised, operator)
+                choice = self._choose(iterations, requests, snap.knobs, spec, last_raise, kept, raised, operator,
+                                      pending, now)
             with self._lock:
                 if choice.move is None and choice.reason != (self.last_decision or {}).get("reason"):
                     log.info("autopilot: %s", choice.reason)  # a hold, logged when its reason changes
@@ -238,23 +241,24 @@ class Autopilot(StatsSink):
 
     def _choose(self, iterations: list[IterationStats], requests: list[RequestStats], knobs: Any, spec: Spec,
                 last_raise: dict[str, int], kept: list[IterationStats], raised: dict[str, int],
-                operator: dict[str, Any]) -> Choice:
+                operator: dict[str, Any], in_flight: list[InFlightRequest], now: float) -> Choice:
         """By simulation when the engine's fixed settings are known, else by the rules alone
         (`kept`: the engine's latest steps, beyond the window; `last_raise`: the raise the relax
         rule may give back, once a window has been read under it; `raised`: the raise in force;
-        `operator`: the operator's knob values, autopilot_stalls.raise_stalls)."""
+        `operator`: the operator's knob values, autopilot_stalls.raise_stalls; `in_flight`: the
+        requests unfinished at `now`, autopilot_choice.replayed)."""
         if self._fixed is not None:
             # what needs no replay (a step-time fit at most, milliseconds) is decided here, where a
             # worker at nice 19 beside a busy engine would wait most of a second for the CPU
             # (benchmarks/autopilot.py run 22: the foreseen cut came just after the first stall)
             fixed = self._fixed()
-            quick = without_replay(iterations, requests, knobs, spec, fixed, last_raise, kept, raised)
+            quick = without_replay(iterations, requests, knobs, spec, fixed, last_raise, kept, raised, in_flight, now)
             if quick is not None:
                 return quick
             run = self._worker.replayed if self._worker is not None else replayed
             return run(iterations, requests, knobs, spec, fixed, last_raise, budget_s=self.replay_budget_s,
-                       raised=raised, operator=operator)
-        move = decide(window_stats(iterations, requests), knobs, spec, last_raise)
+                       raised=raised, operator=operator, in_flight=in_flight, now=now)
+        move = decide(window_stats(iterations, requests, in_flight=in_flight, now=now), knobs, spec, last_raise)
         return Choice(move, move.reason if move else "hold: the rules propose nothing")
 
     def _follow_up_due(self, now: float) -> bool:

@@ -34,9 +34,11 @@ from typing import Any
 
 from appliance.bench.metrics import SLO, RequestResult
 from appliance.engine.knobs import Knobs
-from appliance.records import COMPLETED_REASONS, FinishReason, HoldCause, IterationStats, RequestStats
+from appliance.numeric import percentile
+from appliance.records import (COMPLETED_REASONS, FinishReason, HoldCause, InFlightRequest, IterationStats,
+                                RequestStats)
 from appliance.sim.fit import MIN_ROWS, FitError
-from appliance.sim.replay import CacheShape, ReplayError, SimRequest, replay
+from appliance.sim.replay import CacheShape, ReplayError, ReplayResult, SimRequest, replay
 
 from .autopilot_policy import (MIN_REQUESTS, Choice, DecodeGaps, Move, Spec, WindowStats, bounded_move, decide, p99,
                                relaxed, undoes_raise, window_stats)
@@ -161,43 +163,70 @@ def nothing_helps(w: WindowStats) -> str:
     return "every knob that could help is at its bound"
 
 
-def replayable(requests: Sequence[RequestStats]) -> list[RequestStats]:
-    """The window's finished requests that a replay can carry (the newest MAX_REQUESTS)."""
-    return sorted((r for r in requests if r.output_tokens >= 1 or r.finish_reason == FinishReason.ABORT),
-                  key=lambda r: r.arrival)[-MAX_REQUESTS:]
+def replayable(requests: Sequence[RequestStats], in_flight: Sequence[InFlightRequest] = ()
+               ) -> tuple[list[RequestStats], list[InFlightRequest]]:
+    """What a replay carries: the window's finished requests that it can (those with a token, or
+    aborted) and the requests still in flight, each by arrival; at most MAX_REQUESTS in all, the
+    oldest in flight (the backlog) and the newest finished."""
+    pending = sorted(in_flight, key=lambda r: r.arrival)[:MAX_REQUESTS]
+    done = sorted((r for r in requests if r.output_tokens >= 1 or r.finish_reason == FinishReason.ABORT),
+                  key=lambda r: r.arrival)
+    return done[max(0, len(done) - (MAX_REQUESTS - len(pending))):], pending
 
 
-def sim_requests(done: Sequence[RequestStats]) -> list[SimRequest]:
-    """Requests as replay requests, arrivals from the first one's; aborted ones are cancelled
-    when they were."""
-    t0 = done[0].arrival if done else 0.0
-    return [SimRequest(r.arrival - t0, max(1, r.prompt_tokens),
-                       max(1, r.output_tokens + (r.finish_reason == FinishReason.ABORT)),
-                       r.finished - t0 if r.finish_reason == FinishReason.ABORT else None, r.cached_tokens) for r in done]
+def sim_requests(done: Sequence[RequestStats], in_flight: Sequence[InFlightRequest] = ()) -> list[SimRequest]:
+    """Requests as replay requests, `done`'s then `in_flight`'s, arrivals from the first one's;
+    aborted ones are cancelled when they were. A request in flight generates what it has and
+    more (its output is not known yet): its max_tokens when most finished ones ran to theirs
+    (finish reason "length"), else as many as the finished ones' median, up to its max_tokens."""
+    t0 = min((r.arrival for r in (*done, *in_flight)), default=0.0)
+    out = [SimRequest(r.arrival - t0, max(1, r.prompt_tokens),
+                      max(1, r.output_tokens + (r.finish_reason == FinishReason.ABORT)),
+                      r.finished - t0 if r.finish_reason == FinishReason.ABORT else None, r.cached_tokens) for r in done]
+    completed = [r for r in done if r.finish_reason in COMPLETED_REASONS]
+    to_length = 2 * sum(r.finish_reason == FinishReason.LENGTH for r in completed) > len(completed)
+    typical = percentile([r.output_tokens for r in completed], 50) if completed else 1.0
+    for r in in_flight:
+        expected = r.max_tokens if to_length else min(r.max_tokens, max(r.output_tokens + 1, round(typical)))
+        out.append(SimRequest(r.arrival - t0, max(1, r.prompt_tokens), max(1, expected), None, r.cached_tokens))
+    return out
 
 
-def measured_attainment(done: Sequence[RequestStats], slo: SLO, gaps: DecodeGaps) -> float:
-    """The share of `done` that met `slo` as the server measured them (from arrival; each
-    request's inter-token gaps from the iterations it streamed through)."""
+def missed_already(r: InFlightRequest, now: float, slo: SLO, gaps: DecodeGaps) -> bool:
+    """Whether a request still in flight at `now` has missed `slo` already: it has waited longer
+    than the TTFT target for its first token, or, streaming, had a gap longer than the ITL target."""
+    ttft = (now if r.first_token is None else r.first_token) - r.arrival
+    if slo.ttft is not None and ttft > slo.ttft:
+        return True
+    return (slo.itl is not None and r.first_token is not None
+            and max(gaps.of_request(r.first_token, now), default=0.0) > slo.itl)
+
+
+def measured_attainment(done: Sequence[RequestStats], slo: SLO, gaps: DecodeGaps, missed: int = 0) -> float:
+    """The share of `done` and `missed` more requests (in flight, missed already) that met `slo`
+    as the server measured them (from arrival; each request's inter-token gaps from the
+    iterations it streamed through)."""
     met = sum(slo.met_by(RequestResult(
         index=i, sent_at=r.arrival, ok=r.finish_reason in COMPLETED_REASONS, output_tokens=r.output_tokens,
         ttft=None if r.first_token is None else r.first_token - r.arrival, e2e=r.finished - r.arrival,
         itl=[] if r.first_token is None else gaps.of_request(r.first_token, r.finished)))
         for i, r in enumerate(done))
-    return met / max(1, len(done))
+    return met / max(1, len(done) + missed)
 
 
 def without_replay(iterations: Sequence[IterationStats], requests: Sequence[RequestStats], knobs: Knobs, spec: Spec,
                    fixed: Mapping[str, Any], last_raise: Mapping[str, int] | None = None,
-                   kept: Sequence[IterationStats] = (), raised: Mapping[str, int] | None = None) -> Choice | None:
+                   kept: Sequence[IterationStats] = (), raised: Mapping[str, int] | None = None,
+                   in_flight: Sequence[InFlightRequest] = (), now: float | None = None) -> Choice | None:
     """The choice that needs no replay (milliseconds: a step-time fit at most), or None when
     the window's replay decides: too few finished requests (a stall, seen or foreseen, cuts the
     chunk, else hold; `kept`: the engine's steps from before the window, which price a chunk the
     window has not yet); with TTFT p99 within its target, a prefill stall the chunk explains cuts
     it (the finished requests' figures miss the streams it stalled that are still in flight);
     no candidate move (hold). `raised`: the autopilot's last raise in force ({knob: its value
-    before}), which no stall cut undoes (autopilot_policy.kept_raise)."""
-    w = window_stats(iterations, requests)
+    before}), which no stall cut undoes (autopilot_policy.kept_raise); `in_flight`: the requests
+    not finished at `now` (window_stats)."""
+    w = window_stats(iterations, requests, in_flight=in_flight, now=now)
     if w.requests < MIN_REQUESTS:
         return chunk_cut(iterations, knobs, spec, fixed, kept=kept, raised=raised) or Choice(
             None, f"hold: {w.requests} finished request(s) in the window, at least {MIN_REQUESTS} needed")
@@ -216,15 +245,21 @@ def without_replay(iterations: Sequence[IterationStats], requests: Sequence[Requ
 def replayed(iterations: Sequence[IterationStats], requests: Sequence[RequestStats], knobs: Knobs, spec: Spec,
              fixed: Mapping[str, Any], last_raise: Mapping[str, int] | None = None, *, budget_s: float = BUDGET_S,
              raised: Mapping[str, int] | None = None, operator: Mapping[str, Any] | None = None,
+             in_flight: Sequence[InFlightRequest] = (), now: float | None = None,
              clock: Callable[[], float] = time.perf_counter) -> Choice:
     """The choice by replaying the window under the knobs in force and each candidate (for a
     window `without_replay` left undecided; seconds of pure Python: the server runs it in the
     autopilot's worker). `fixed`: GET /admin/knobs' fixed settings (the cache shape and the
     engine the step-time model is keyed on); `raised`: as `without_replay`'s; `operator`: the
     operator's knob values, up to which a starving queue lifts the stall bar on raises
-    (autopilot_stalls.raise_stalls)."""
+    (autopilot_stalls.raise_stalls); `in_flight`: the requests not finished at `now`, replayed
+    beside the finished ones (the backlog a replay of finished requests alone cannot see: runs
+    96-99's second ways, whose replays of the knobs in force predicted 67-100 % within the
+    targets while a queue of long prompts missed every one). The replay of the knobs in force is
+    checked against what was measured on the requests whose outcome is known: the finished ones
+    and those in flight that missed already (`missed_already`)."""
     gaps = DecodeGaps.of(iterations)
-    w = window_stats(iterations, requests, gaps)
+    w = window_stats(iterations, requests, gaps, in_flight, now)
     moves = candidates(w, knobs, spec, last_raise, raised)
     rule = decide(w, knobs, spec, dict(last_raise or {}))
     if rule is not None and _key(rule) not in {_key(m) for m in moves}:  # it undoes the raise in force
@@ -243,21 +278,25 @@ def replayed(iterations: Sequence[IterationStats], requests: Sequence[RequestSta
                             raised)
     cache = CacheShape(int(fixed["num_blocks"]), int(fixed["block_size"]), int(fixed["max_model_len"]))
     slo = SLO(ttft=spec.targets.get("ttft_p99"), itl=spec.targets.get("itl_p99"))
-    done = replayable(requests)
-    reqs = sim_requests(done)
-    measured = measured_attainment(done, slo, gaps)
+    done, pending = replayable(requests, in_flight)
+    reqs = sim_requests(done, pending)
+    missed = [len(done) + i for i, r in enumerate(pending) if now is not None and missed_already(r, now, slo, gaps)]
+    known = [*range(len(done)), *missed]  # the requests whose outcome was measured
+    measured = measured_attainment(done, slo, gaps, len(missed))
     started = clock()
 
-    def forecast(k: Knobs, arriving: Sequence[SimRequest] = reqs) -> tuple[Forecast, Sequence[IterationStats]]:
+    def forecast(k: Knobs, arriving: Sequence[SimRequest] = reqs) -> tuple[Forecast, ReplayResult]:
         out = replay(arriving, k, cache, model, slo=slo)
         s = out.summary
         return Forecast((s.slo_met or 0) / max(1, s.num_requests), s.ttft.p99,
-                        p99([max(r.itl) for r in out.results if r.ok and r.itl])), out.iterations
+                        p99([max(r.itl) for r in out.results if r.ok and r.itl])), out
 
     try:
-        base, steps = forecast(knobs)
-        if abs(base.attainment - measured) > CALIBRATION:  # the window does not explain what was measured
-            alone = rules_only(rule, f"the replay of the knobs in force predicts {base.attainment:.0%} "
+        base, out = forecast(knobs)
+        steps = out.iterations
+        checked = sum(slo.met_by(out.results[i]) for i in known) / max(1, len(known))
+        if abs(checked - measured) > CALIBRATION:  # the window does not explain what was measured
+            alone = rules_only(rule, f"the replay of the knobs in force predicts {checked:.0%} "
                                      f"within the targets, {measured:.0%} was measured")
             return replace(or_stall_cut(alone, iterations, knobs, spec, fixed, raised), simulated=True)
         tried: list[tuple[Move, Forecast]] = []
@@ -274,6 +313,7 @@ def replayed(iterations: Sequence[IterationStats], requests: Sequence[RequestSta
         return Choice(None, f"hold: the simulation failed ({exc})", simulated=True)
     prediction: dict[str, Any] = {
         "measured_attainment": measured, "before": asdict(base), "requests": len(reqs),
+        "in_flight": len(pending), "missed_in_flight": len(missed),
         "model_heldout_mape": model.heldout_mape,
         "candidates": [{"changes": m.changes, **asdict(f)} for m, f in tried],
         "never_reached": unreached, "skipped": [m.changes for m in moves[len(tried):]],

@@ -28,7 +28,7 @@ from typing import Any
 
 from appliance.engine.knobs import KnobError, Knobs, field_errors
 from appliance.numeric import percentile
-from appliance.records import HoldCause, IterationStats, RequestStats
+from appliance.records import HoldCause, InFlightRequest, IterationStats, RequestStats
 
 TARGETS = ("ttft_p99", "itl_p99")
 TUNABLE = ("max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold",
@@ -198,17 +198,25 @@ def worst_gaps(requests: Sequence[RequestStats], gaps: DecodeGaps) -> list[float
 
 
 def window_stats(iterations: Sequence[IterationStats], requests: Sequence[RequestStats],
-                 gaps: DecodeGaps | None = None) -> WindowStats:
+                 gaps: DecodeGaps | None = None, in_flight: Sequence[InFlightRequest] = (),
+                 now: float | None = None) -> WindowStats:
     """The window as the rules read it (`gaps`: the iterations' DecodeGaps, when the caller has
     them). ITL p99 is the p99 over requests of their worst stall, so that, like TTFT p99, a target
-    met means at most 1 % of requests missed it."""
+    met means at most 1 % of requests missed it. The requests still `in_flight` at `now` count
+    with what they have shown so far (a request still waiting, its wait; a stream, its worst gap
+    yet): a lower bound of what they will show, and the backlog the finished ones cannot."""
+    gaps = DecodeGaps.of(iterations) if gaps is None else gaps
     ttft = [r.first_token - r.arrival for r in requests if r.first_token is not None]
+    worst = worst_gaps(requests, gaps)
+    if in_flight:
+        assert now is not None, "requests in flight are read at a moment"
+        ttft += [(now if r.first_token is None else r.first_token) - r.arrival for r in in_flight]
+        worst += [max(g) for r in in_flight if r.first_token is not None and (g := gaps.of_request(r.first_token, now))]
     held = {c: sum(getattr(it, c.column) * it.duration_s for it in iterations) for c in HoldCause}
     kv = max((it.kv_blocks_used / it.kv_blocks_total for it in iterations if it.kv_blocks_total), default=0.0)
     prefill = sum(1 for it in iterations if it.prefill_tokens > 0)
-    gaps = DecodeGaps.of(iterations) if gaps is None else gaps
     decode_only = [wait for it, wait in decode_waits(iterations) if not it.prefill_tokens]
-    return WindowStats(len(requests), p99(ttft), p99(worst_gaps(requests, gaps)), held, kv,
+    return WindowStats(len(requests), p99(ttft), p99(worst), held, kv,
                        prefill / len(iterations) if iterations else 0.0, max((it.running for it in iterations), default=0),
                        running_mean(iterations), p99(decode_only))
 

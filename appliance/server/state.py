@@ -82,7 +82,7 @@ class AppState:
             self.engine.add_sink(telemetry)
         self.autopilot = Autopilot(lambda: self.engine.knob_state.snapshot, fixed=self.fixed,
                                    spec=parse_spec(config.autopilot) if config.autopilot else None,
-                                   worker=ChoiceWorker())
+                                   worker=ChoiceWorker(), in_flight=self.engine.in_flight)
         self.engine.add_sink(self.autopilot)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
         self._key = config.api_key.encode() if config.api_key else None
