@@ -1,17 +1,19 @@
 """The autopilot's choice by simulation: the rules propose candidate moves (each inside the
 operator's bounds); the what-if simulator, fitted on the window's own iterations, replays the
-window's finished requests under the knobs in force and under each candidate; the candidate with
-the best predicted SLO attainment is chosen only if it beats the knobs in force by a margin
-(hysteresis); a chosen cut of max_num_seqs must also hold against the knobs in force with the
-window's requests arriving twice as fast (`load_checked`). Too few iterations to fit, or a
-replay of the knobs in force that misses the attainment measured on the same requests by more
-than CALIBRATION: the rules alone decide (the reason says so). A replay that cannot run: hold.
+window's finished requests and the engine's requests still in flight under the knobs in force
+and under each candidate; the candidate with the best predicted SLO attainment is chosen only if
+it beats the knobs in force by a margin (hysteresis); a chosen cut of max_num_seqs must also
+hold against the knobs in force with the window's requests arriving twice as fast
+(`load_checked`). Too few iterations to fit, or a replay of the knobs in force that misses the
+attainment measured on the requests whose outcome is known (finished, or in flight and missed
+already) by more than CALIBRATION: the rules alone decide (the reason says so). A replay that
+cannot run: hold.
 
 Before any replay (`without_replay`, milliseconds: a step-time fit at most): too few finished
 requests to replay, a prefill stall the iterations show, or one the step-time model foresees
 from a whole chunk beside the decode rows in flight, cuts the chunk (autopilot_stalls), else
-hold; with enough of them and TTFT p99 within its target, such a stall cuts the chunk as well (a
-replay of the finished requests alone misses the streams it stalled that are still in flight);
+hold; with enough of them and TTFT p99 within its target, such a stall cuts the chunk as well, at
+once (a replay takes seconds, and knows the streams in flight only by the outputs it estimates);
 no candidate move: hold. A raise of the prompts prefilled at once, or of the chunk, that the
 step-time model foresees stalling decode rows past the ITL target is barred
 (autopilot_stalls.raise_stalls), from the replayed candidates and from the rules' move alike. A
@@ -49,7 +51,7 @@ MARGIN = 0.05  # a candidate must raise the predicted attainment by this share o
 P99_MARGIN = 0.2  # ...or, at no loss of attainment, cut the worst target's predicted p99 by this share
 TIE = 0.02  # candidates predicted within this share of requests of the best one count as equally good
 MAX_CANDIDATES = 6
-MAX_REQUESTS = 300  # the window's newest finished requests are replayed (~1 s per 200 on this CPU)
+MAX_REQUESTS = 300  # requests replayed at most (~1 s per 200 on this CPU): replayable
 BUDGET_S = 5.0  # no replay starts after this long
 # the replay of the knobs in force must land within this share of requests of the measured
 # attainment; else the window does not explain its own latency (load from before it, requests
@@ -222,7 +224,7 @@ def without_replay(iterations: Sequence[IterationStats], requests: Sequence[Requ
     the window's replay decides: too few finished requests (a stall, seen or foreseen, cuts the
     chunk, else hold; `kept`: the engine's steps from before the window, which price a chunk the
     window has not yet); with TTFT p99 within its target, a prefill stall the chunk explains cuts
-    it (the finished requests' figures miss the streams it stalled that are still in flight);
+    it, at once (a replay takes seconds, and knows the streams in flight only by estimated outputs);
     no candidate move (hold). `raised`: the autopilot's last raise in force ({knob: its value
     before}), which no stall cut undoes (autopilot_policy.kept_raise); `in_flight`: the requests
     not finished at `now` (window_stats)."""
@@ -358,11 +360,11 @@ def load_checked(choice: Choice, knobs: Knobs, forecast: Callable[[Knobs], Forec
 def or_stall_cut(choice: Choice, iterations: Sequence[IterationStats], knobs: Knobs, spec: Spec,
                  fixed: Mapping[str, Any], raised: Mapping[str, int] | None = None) -> Choice:
     """`choice`, or, when it holds, the answer to the window's prefill stalls (`chunk_cut`: the
-    chunk, or with the chunk at its bound the prompts prefilled at once or max_num_seqs): a
-    replay carries only the window's finished requests, not the streams still in flight that
-    those stalls kept waiting (benchmarks/autopilot.py runs 37-38: replays that never ran more
-    than 8 sequences predicted max_num_seqs 8 to change nothing while the live batch ran up to
-    16 beside 64-token chunks). When that answer holds too, its reason joins the hold's: the
+    chunk, or with the chunk at its bound the prompts prefilled at once or max_num_seqs): the
+    replay's figures for the streams those stalls keep waiting rest on estimated outputs, and
+    replays of finished requests alone missed them (benchmarks/autopilot.py runs 37-38: replays
+    that never ran more than 8 sequences predicted max_num_seqs 8 to change nothing while the
+    live batch ran up to 16 beside 64-token chunks). When that answer holds too, its reason joins the hold's: the
     decision says why neither acted."""
     if choice.move is not None:
         return choice
@@ -431,9 +433,8 @@ def weigh(w: WindowStats, spec: Spec, base: Forecast, tried: Sequence[tuple[Move
 
 def pushed_past(base: Forecast, after: Forecast, spec: Spec) -> str | None:
     """How `after` pays for its gain with a target's tail, or None: the p99 it predicts for a target
-    is past that target and more than P99_MARGIN over the knobs in force's (`base`). A replay
-    carries only the window's finished requests, and the streams in flight pay such a cost unseen
-    (benchmarks/autopilot.py run 96: max_long_partial_prefills 1→2 for TTFT, replayed at 77 → 88 %
+    is past that target and more than P99_MARGIN over the knobs in force's (`base`). The streams
+    in flight pay such a cost on outputs the replay can only estimate (benchmarks/autopilot.py run 96: max_long_partial_prefills 1→2 for TTFT, replayed at 77 → 88 %
     within the targets with ITL p99 162 → 279 ms; the next window's replay of it predicted 15 %,
     and the long prompts' phase missed 270 requests where the way that made no such raise missed none)."""
     for name, before, now in (("ttft_p99", base.ttft_p99, after.ttft_p99), ("itl_p99", base.itl_p99, after.itl_p99)):

@@ -1,5 +1,5 @@
-"""The autopilot's answer to prefill stalls, before any replay: a replay of the window's finished
-requests misses the stalls that requests still in flight rode through, and before the window
+"""The autopilot's answer to prefill stalls, before any replay: a replay takes seconds and knows
+the streams still in flight only by the outputs it estimates for them, and before the window
 holds enough finished requests (at the start, and after each move, whose window starts empty)
 there is nothing to replay.
 
