@@ -13,6 +13,7 @@ from dataclasses import replace
 import httpx
 import pytest
 
+from appliance.bench.metrics import RequestResult
 from appliance.engine import Knobs
 from appliance.engine.knobs import KnobState, KnobUpdate
 from appliance.records import ITERATION_METRICS, HoldCause, InFlightRequest, IterationStats, RequestStats
@@ -20,6 +21,7 @@ from appliance.server.autopilot import FOLLOW_UP_S, SOURCE, Autopilot
 from appliance.server.autopilot_stalls import STARVED
 from appliance.server.autopilot_choice import (LOAD_GROWTH, MARGIN, USED, Choice, Forecast, candidates, heavier,
                                               load_checked, never_reached, pick, weigh)
+from appliance.server.autopilot_requests import ReplaySet, replayable
 from appliance.server.autopilot_policy import (DecodeGaps, Move, SpecError, WindowStats, decide, parse_spec, window_stats,
                                                worst_gaps)
 from appliance.sim.fit import MIN_ROWS, EngineKey, StepTimeModel
@@ -1082,9 +1084,11 @@ def test_prefill_stalls_cut_the_chunk_though_the_finished_requests_met_the_targe
 def test_a_replay_that_misses_the_measured_attainment_leaves_the_choice_to_the_rules():
     ap, engine = pilot("ttft_p99=1s,max_num_seqs=2..16", fixed=FIXED, window_s=300, max_num_seqs=2)
     end = scripted_window(ap, engine.knobs, true_engine(), rate=2.5)
-    # the server measured these requests from 5 s earlier arrivals (they queued before the window
-    # began): the window's iterations cannot explain that wait, so the replay is not trusted
-    ap._requests = type(ap._requests)(replace(r, arrival=r.arrival - 5.0) for r in ap._requests)
+    # the server saw each request's tokens 5 s later than the window's iterations made them (time
+    # the iterations do not show, e.g. a stalled event loop between the engine and the responses):
+    # the window cannot explain that wait, so the replay is not trusted
+    ap._requests = type(ap._requests)(replace(r, first_token=r.first_token + 5.0, finished=r.finished + 5.0)
+                                      for r in ap._requests)
     assert ap.tick(end + 1) is not None and engine.knobs.max_num_seqs == 3  # the rules' x1.5
     last = ap.view()["moves"][-1]
     assert last["prediction"] is None
@@ -1350,13 +1354,64 @@ def test_the_window_counts_requests_in_flight_by_what_they_have_shown_so_far():
 def test_a_request_in_flight_is_replayed_with_the_output_its_finished_peers_suggest(reasons, expected):
     # most finished requests ran to max_tokens: one in flight will too; else it generates the
     # finished ones' median (11), or one more than it has when it has that many already
-    from appliance.server.autopilot_choice import replayable, sim_requests
-
     done = [replace(request(T0 + i, 0.2, out=out), finish_reason=why) for i, (out, why) in enumerate(zip((9, 11, 40), reasons))]
     pending = [InFlightRequest(T0 + 5, 100, 0, 48, None, 0), InFlightRequest(T0 + 4, 100, 19, 48, T0 + 4.5, 16)]
     finished, in_flight = replayable(done, pending)
     assert [r.arrival for r in in_flight] == [T0 + 4, T0 + 5]  # by arrival
-    reqs = sim_requests(finished, in_flight)
+    reqs = ReplaySet.of(finished, in_flight).requests
     assert [r.arrival for r in reqs] == [0, 1, 2, 4, 5]
     assert sorted(r.output_tokens for r in reqs[3:]) == expected
     assert reqs[3].cached_tokens == 16 and reqs[3].cancel_at is None
+
+
+def test_requests_from_before_the_windows_start_are_replayed_from_it_with_what_they_had_shown():
+    # the window starts at T0 + 10. A request that arrived at T0 + 7 and still waited then arrives
+    # at the start, its 3 s wait added to its replayed TTFT; one streaming since T0 + 8 (TTFT 2 s),
+    # with 11 of its 21 tokens made by the start, keeps its TTFT and replays the 10 left from a
+    # one-token prompt; a request in flight since T0 + 9 waits 1 s more; later ones come as they came
+    waiting = RequestStats("w", "api", None, T0 + 7, T0 + 11, T0 + 11.5, T0 + 12, 200, 10, "length", 0, 0)
+    streaming = RequestStats("s", "api", None, T0 + 6, T0 + 6.5, T0 + 8, T0 + 12, 300, 21, "length", 0, 0)
+    later = request(T0 + 11, 0.3)
+    carried = ReplaySet.of([waiting, streaming, later], [InFlightRequest(T0 + 9, 150, 0, 30, None, 0)],
+                           start=T0 + 10, now=T0 + 13)
+    assert [(r.arrival, r.prompt_tokens, r.output_tokens) for r in carried.requests] == [
+        (0, 200, 10), (0, 1, 10), (1, 8, 11), (0, 150, 30)]
+    replayed = [RequestResult(i, 0.0, ok=True, ttft=0.5) for i in range(4)]
+    assert [r.ttft for r in carried.results(replayed)] == [3.5, 2.0, 0.5, 1.5]
+
+
+def test_a_queue_from_before_the_window_is_replayed_from_its_start_and_explains_what_was_measured():
+    # the requests arrived 5 s before the window's first iteration and queued: they arrive in the
+    # replay at its start with that wait added, the replay of the knobs in force agrees with the
+    # 0 % measured, and the replays choose (no "rules only")
+    ap, engine = pilot("ttft_p99=1s,max_num_seqs=2..16", fixed=FIXED, window_s=300, max_num_seqs=2)
+    end = scripted_window(ap, engine.knobs, true_engine(), rate=2.5)
+    ap._requests = type(ap._requests)(replace(r, arrival=r.arrival - 5.0) for r in ap._requests)
+    assert ap.tick(end + 1) is not None and engine.knobs.max_num_seqs > 2
+    last = ap.view()["moves"][-1]
+    assert last["prediction"]["measured_attainment"] == 0.0 and "rules only" not in last["reason"]
+
+
+@pytest.mark.parametrize("ttft_s, after, made", [(4.7, Forecast(0.28, 6.1, 0.134), False),
+                                                 (4.7, Forecast(0.28, 4.6, 0.134), True),
+                                                 (6.5, Forecast(0.28, 6.1, 0.134), True)])
+def test_the_stall_answer_to_a_replays_hold_is_priced_like_a_candidate(ttft_s, after, made):
+    # TTFT p99 over its 3 s target; the replays held; the prefill stalls' answer halves the prompts
+    # prefilled at once. Its replay pushing TTFT p99 4.4 → 6.1 s (run 100) stops it; one that keeps
+    # TTFT near the knobs in force's does not, nor does anything once the queue starves
+    from appliance.server.autopilot_choice import stall_answer
+
+    spec = parse_spec("ttft_p99=3s,itl_p99=150ms")
+    held = {c: 0.0 for c in HoldCause}
+    w = WindowStats(80, ttft_s, 0.194, {**held, HoldCause.LONG_PARTIAL_PREFILLS: 30.0}, 0.5, 0.6)
+    hold = Choice(None, "hold: the best candidate is not better enough")
+    cut = Move({"max_num_partial_prefills": 2}, "a stall")
+    prediction: dict = {}
+    choice = stall_answer(hold, Choice(cut, "a stall"), w, spec, Forecast(0.24, 4.45, 0.161), lambda m: after,
+                          prediction)
+    assert (choice.move is cut) == made
+    if not made:
+        assert choice.reason == ("hold: the best candidate is not better enough [the prefill stalls' answer "
+                                 "(max_num_partial_prefills=2) is not made: its replay pushes TTFT p99 4450 → 6100 ms "
+                                 "(target 3000 ms)]")
+        assert prediction["stall_answer"]["changes"] == {"max_num_partial_prefills": 2}

@@ -19,7 +19,7 @@ step-time model foresees stalling decode rows past the ITL target is barred
 (autopilot_stalls.raise_stalls), from the replayed candidates and from the rules' move alike. A
 replay that ends in a hold leaves the choice to the stall answer when the window's prefill steps
 stalled (`or_stall_cut`).
-Replays (`replayed`) are bounded (the newest MAX_REQUESTS requests, a time budget checked
+Replays (`replayed`) are bounded (at most MAX_REQUESTS requests: autopilot_requests; a time budget checked
 between replays, the load check's two excepted; a candidate that only lowers a limit the replay
 of the knobs in force never came up to is not replayed: its forecast is that replay's) and run
 where the caller runs them (in the server: a worker process at nice 19, `autopilot_worker`,
@@ -36,22 +36,20 @@ from typing import Any
 
 from appliance.bench.metrics import SLO, RequestResult
 from appliance.engine.knobs import Knobs
-from appliance.numeric import percentile
-from appliance.records import (COMPLETED_REASONS, FinishReason, HoldCause, InFlightRequest, IterationStats,
-                                RequestStats)
+from appliance.records import COMPLETED_REASONS, HoldCause, InFlightRequest, IterationStats, RequestStats
 from appliance.sim.fit import MIN_ROWS, FitError
 from appliance.sim.replay import CacheShape, ReplayError, ReplayResult, SimRequest, replay
 
 from .autopilot_policy import (MIN_REQUESTS, Choice, DecodeGaps, Move, Spec, WindowStats, bounded_move, decide, p99,
                                relaxed, undoes_raise, window_stats)
 from .autopilot_stalls import KNOB as CHUNK
+from .autopilot_requests import ReplaySet, missed_already, replayable
 from .autopilot_stalls import chunk_cut, fit_window, raise_stalls, starves
 
 MARGIN = 0.05  # a candidate must raise the predicted attainment by this share of requests...
 P99_MARGIN = 0.2  # ...or, at no loss of attainment, cut the worst target's predicted p99 by this share
 TIE = 0.02  # candidates predicted within this share of requests of the best one count as equally good
 MAX_CANDIDATES = 6
-MAX_REQUESTS = 300  # requests replayed at most (~1 s per 200 on this CPU): replayable
 BUDGET_S = 5.0  # no replay starts after this long
 # the replay of the knobs in force must land within this share of requests of the measured
 # attainment; else the window does not explain its own latency (load from before it, requests
@@ -165,45 +163,6 @@ def nothing_helps(w: WindowStats) -> str:
     return "every knob that could help is at its bound"
 
 
-def replayable(requests: Sequence[RequestStats], in_flight: Sequence[InFlightRequest] = ()
-               ) -> tuple[list[RequestStats], list[InFlightRequest]]:
-    """What a replay carries: the window's finished requests that it can (those with a token, or
-    aborted) and the requests still in flight, each by arrival; at most MAX_REQUESTS in all, the
-    oldest in flight (the backlog) and the newest finished."""
-    pending = sorted(in_flight, key=lambda r: r.arrival)[:MAX_REQUESTS]
-    done = sorted((r for r in requests if r.output_tokens >= 1 or r.finish_reason == FinishReason.ABORT),
-                  key=lambda r: r.arrival)
-    return done[max(0, len(done) - (MAX_REQUESTS - len(pending))):], pending
-
-
-def sim_requests(done: Sequence[RequestStats], in_flight: Sequence[InFlightRequest] = ()) -> list[SimRequest]:
-    """Requests as replay requests, `done`'s then `in_flight`'s, arrivals from the first one's;
-    aborted ones are cancelled when they were. A request in flight generates what it has and
-    more (its output is not known yet): its max_tokens when most finished ones ran to theirs
-    (finish reason "length"), else as many as the finished ones' median, up to its max_tokens."""
-    t0 = min((r.arrival for r in (*done, *in_flight)), default=0.0)
-    out = [SimRequest(r.arrival - t0, max(1, r.prompt_tokens),
-                      max(1, r.output_tokens + (r.finish_reason == FinishReason.ABORT)),
-                      r.finished - t0 if r.finish_reason == FinishReason.ABORT else None, r.cached_tokens) for r in done]
-    completed = [r for r in done if r.finish_reason in COMPLETED_REASONS]
-    to_length = 2 * sum(r.finish_reason == FinishReason.LENGTH for r in completed) > len(completed)
-    typical = percentile([r.output_tokens for r in completed], 50) if completed else 1.0
-    for r in in_flight:
-        expected = r.max_tokens if to_length else min(r.max_tokens, max(r.output_tokens + 1, round(typical)))
-        out.append(SimRequest(r.arrival - t0, max(1, r.prompt_tokens), max(1, expected), None, r.cached_tokens))
-    return out
-
-
-def missed_already(r: InFlightRequest, now: float, slo: SLO, gaps: DecodeGaps) -> bool:
-    """Whether a request still in flight at `now` has missed `slo` already: it has waited longer
-    than the TTFT target for its first token, or, streaming, had a gap longer than the ITL target."""
-    ttft = (now if r.first_token is None else r.first_token) - r.arrival
-    if slo.ttft is not None and ttft > slo.ttft:
-        return True
-    return (slo.itl is not None and r.first_token is not None
-            and max(gaps.of_request(r.first_token, now), default=0.0) > slo.itl)
-
-
 def measured_attainment(done: Sequence[RequestStats], slo: SLO, gaps: DecodeGaps, missed: int = 0) -> float:
     """The share of `done` and `missed` more requests (in flight, missed already) that met `slo`
     as the server measured them (from arrival; each request's inter-token gaps from the
@@ -281,13 +240,13 @@ def replayed(iterations: Sequence[IterationStats], requests: Sequence[RequestSta
     cache = CacheShape(int(fixed["num_blocks"]), int(fixed["block_size"]), int(fixed["max_model_len"]))
     slo = SLO(ttft=spec.targets.get("ttft_p99"), itl=spec.targets.get("itl_p99"))
     done, pending = replayable(requests, in_flight)
-    reqs = sim_requests(done, pending)
+    carried = ReplaySet.of(done, pending, start=min(it.started_at for it in iterations), now=now)
     missed = [len(done) + i for i, r in enumerate(pending) if now is not None and missed_already(r, now, slo, gaps)]
     known = [*range(len(done)), *missed]  # the requests whose outcome was measured
     measured = measured_attainment(done, slo, gaps, len(missed))
     started = clock()
 
-    def forecast(k: Knobs, arriving: Sequence[SimRequest] = reqs) -> tuple[Forecast, ReplayResult]:
+    def forecast(k: Knobs, arriving: Sequence[SimRequest] = carried.requests) -> tuple[Forecast, ReplayResult]:
         out = replay(arriving, k, cache, model, slo=slo)
         s = out.summary
         return Forecast((s.slo_met or 0) / max(1, s.num_requests), s.ttft.p99,
@@ -296,7 +255,8 @@ def replayed(iterations: Sequence[IterationStats], requests: Sequence[RequestSta
     try:
         base, out = forecast(knobs)
         steps = out.iterations
-        checked = sum(slo.met_by(out.results[i]) for i in known) / max(1, len(known))
+        results = carried.results(out.results)  # each TTFT from the request's own arrival
+        checked = sum(slo.met_by(results[i]) for i in known) / max(1, len(known))
         if abs(checked - measured) > CALIBRATION:  # the window does not explain what was measured
             alone = rules_only(rule, f"the replay of the knobs in force predicts {checked:.0%} "
                                      f"within the targets, {measured:.0%} was measured")
@@ -314,7 +274,7 @@ def replayed(iterations: Sequence[IterationStats], requests: Sequence[RequestSta
     except ReplayError as exc:
         return Choice(None, f"hold: the simulation failed ({exc})", simulated=True)
     prediction: dict[str, Any] = {
-        "measured_attainment": measured, "before": asdict(base), "requests": len(reqs),
+        "measured_attainment": measured, "before": asdict(base), "requests": len(carried.requests),
         "in_flight": len(pending), "missed_in_flight": len(missed),
         "model_heldout_mape": model.heldout_mape,
         "candidates": [{"changes": m.changes, **asdict(f)} for m, f in tried],
@@ -324,12 +284,37 @@ def replayed(iterations: Sequence[IterationStats], requests: Sequence[RequestSta
         return Choice(None, f"hold: the time budget ({budget_s:g} s) ran out before any candidate", prediction, True)
     choice = weigh(w, spec, base, tried, prediction, headroom=model.heldout_mape)
     if choice.move is not None and choice.move.changes.get("max_num_seqs", knobs.max_num_seqs) < knobs.max_num_seqs:
-        busier = heavier(reqs, LOAD_GROWTH)
+        busier = heavier(carried.requests, LOAD_GROWTH)
         try:
             choice = load_checked(choice, knobs, lambda k: forecast(k, busier)[0])
         except ReplayError as exc:
             return Choice(None, f"hold: the simulation failed ({exc})", prediction, True)
-    return replace(or_stall_cut(choice, iterations, knobs, spec, fixed, raised), simulated=True)
+    priced = {_key(m): f for m, f in tried}
+    try:
+        return replace(stall_answer(choice, or_stall_cut(choice, iterations, knobs, spec, fixed, raised), w, spec, base,
+                                    lambda m: priced.get(_key(m)) or forecast(knobs.with_changes(m.changes))[0],
+                                    prediction), simulated=True)
+    except ReplayError as exc:
+        return Choice(None, f"hold: the simulation failed ({exc})", prediction, True)
+
+
+def stall_answer(hold: Choice, stall: Choice, w: WindowStats, spec: Spec, base: Forecast,
+                 price: Callable[[Move], Forecast], prediction: dict[str, Any]) -> Choice:
+    """`stall` (`or_stall_cut`'s answer to the replays' `hold`), priced like a candidate when a
+    target is missed and the queue does not starve: a move whose replay (`price`) pushes the other
+    target's p99 past it (`pushed_past`) is not made, and the hold says so (benchmarks/autopilot.py
+    run 100: `max_num_partial_prefills` 4→2 for a 194 ms stall with TTFT p99 at 4.7 s; replayed
+    from that run's store afterwards, TTFT p99 4.4 → 6.1 s; the long prompts' phase then missed
+    312 requests)."""
+    if hold.move is not None or stall.move is None or not any(over_targets(w, spec)) or starves(w.ttft_p99, spec):
+        return stall
+    after = price(stall.move)
+    why = pushed_past(base, after, spec)
+    if why is None:
+        return stall
+    prediction["stall_answer"] = {"changes": stall.move.changes, **asdict(after)}
+    return Choice(None, f"{hold.reason} [the prefill stalls' answer ({_label(stall.move)}) is not made: its replay "
+                        f"pushes {why}]", prediction)
 
 
 def heavier(reqs: Sequence[SimRequest], factor: float) -> list[SimRequest]:
