@@ -27,15 +27,20 @@ from .autopilot_policy import DecodeGaps
 MAX_REQUESTS = 300  # requests replayed at most (~1 s per 200 on this CPU)
 
 
-def replayable(requests: Sequence[RequestStats], in_flight: Sequence[InFlightRequest] = ()
-               ) -> tuple[list[RequestStats], list[InFlightRequest]]:
-    """What a replay carries: the window's finished requests that it can (those with a token, or
-    aborted) and the requests still in flight, each by arrival; at most MAX_REQUESTS in all, the
-    oldest in flight (the backlog) and the newest finished."""
+def replayable(requests: Sequence[RequestStats], in_flight: Sequence[InFlightRequest] = (),
+               start: float | None = None) -> tuple[list[RequestStats], list[InFlightRequest], float | None]:
+    """What a replay carries, each by arrival, and from when: the requests in flight (the oldest
+    MAX_REQUESTS) and the window's finished requests it can carry (with a token, or aborted). When
+    that is more than MAX_REQUESTS in all, the replay starts later than `start`: when the newest
+    finished ones that fit were all still in the engine (a replay from `start` without the requests
+    that finished first would serve the queue they were part of with nothing ahead of it)."""
     pending = sorted(in_flight, key=lambda r: r.arrival)[:MAX_REQUESTS]
     done = sorted((r for r in requests if r.output_tokens >= 1 or r.finish_reason == FinishReason.ABORT),
-                  key=lambda r: r.arrival)
-    return done[max(0, len(done) - (MAX_REQUESTS - len(pending))):], pending
+                  key=lambda r: r.finished)
+    dropped = max(0, len(done) - (MAX_REQUESTS - len(pending)))
+    if dropped:
+        start = max(done[dropped - 1].finished, start if start is not None else float("-inf"))
+    return sorted(done[dropped:], key=lambda r: r.arrival), pending, start
 
 
 @dataclass(frozen=True)

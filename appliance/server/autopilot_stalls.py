@@ -121,7 +121,7 @@ def chunk_cut(iterations: Sequence[IterationStats], knobs: Knobs, spec: Spec, fi
     wait = max(w for _, w in stalls)
     seen = f"{len(stalls)} step(s) carrying prefill chunks kept decode rows waiting up to {wait * 1000:.0f} ms " \
            f"(ITL target {target * 1000:.0f} ms)"
-    at_floor = knobs.long_prefill_token_threshold <= floor_of(spec, fixed)
+    at_floor = knobs.long_prefill_token_threshold <= floor_of(spec, fixed, knobs, raised)
     ran = max(it.decode_seqs + it.prefill_seqs for it, _ in stalls)
     prompts = max(it.prefill_seqs for it, _ in stalls)
     demand = seqs_demand(running_mean(iterations))
@@ -154,7 +154,7 @@ def chunk_cut(iterations: Sequence[IterationStats], knobs: Knobs, spec: Spec, fi
         else:
             bounded = prefills_cut(model, now, knobs, spec, seen, prediction, raised)
         return bounded or seqs_cut(model, now, knobs, spec, seen, prediction, demand, raised)
-    return deepest_needed(model, now, knobs, spec, fixed, seen, prediction)
+    return deepest_needed(model, now, knobs, spec, fixed, seen, prediction, raised)
 
 
 def foresight(iterations: Sequence[IterationStats], knobs: Knobs, spec: Spec, fixed: Mapping[str, Any],
@@ -174,7 +174,8 @@ def foresight(iterations: Sequence[IterationStats], knobs: Knobs, spec: Spec, fi
     same foresight bars raising it there: `raise_stalls`), never under a raise in force (`raised`).
     None: nothing foreseen."""
     target = spec.targets["itl_p99"]
-    chunk, at_floor = knobs.long_prefill_token_threshold, knobs.long_prefill_token_threshold <= floor_of(spec, fixed)
+    chunk = knobs.long_prefill_token_threshold
+    at_floor = chunk <= floor_of(spec, fixed, knobs, raised)
     if at_floor and knobs.max_num_partial_prefills <= prefills_floor(spec, knobs, raised):
         return None
     own = model or priced(iterations, fixed)
@@ -208,7 +209,7 @@ def foresight(iterations: Sequence[IterationStats], knobs: Knobs, spec: Spec, fi
            f"{target * 1000:.0f} ms)"
     if at_floor:
         return prefills_cut(model, ahead, knobs, spec, seen, {"foreseen_wait_s": wait}, raised)
-    return deepest_needed(model, ahead, knobs, spec, fixed, seen, {"foreseen_wait_s": wait})
+    return deepest_needed(model, ahead, knobs, spec, fixed, seen, {"foreseen_wait_s": wait}, raised)
 
 
 def raise_stalls(model: StepTimeModel, iterations: Sequence[IterationStats], requests: Sequence[RequestStats],
@@ -288,7 +289,7 @@ def wait_at(model: StepTimeModel, step: Composition, chunk: int, tail: float) ->
 
 
 def deepest_needed(model: StepTimeModel, step: Composition, knobs: Knobs, spec: Spec, fixed: Mapping[str, Any],
-                   seen: str, prediction: dict[str, Any]) -> Choice:
+                   seen: str, prediction: dict[str, Any], raised: Mapping[str, int] | None = None) -> Choice:
     """The largest chunk, in whole KV blocks, under which `step` keeps the ITL target at the p99
     of the fit's spread with the model's held-out error to spare, as the replayed choice (`pick`)
     counts it (every chunk tried is in the prediction); when none down to the bound does, the
@@ -300,8 +301,8 @@ def deepest_needed(model: StepTimeModel, step: Composition, knobs: Knobs, spec: 
     target = spec.targets["itl_p99"]
     chunk = knobs.long_prefill_token_threshold
     headroom = 1 + model.heldout_mape
-    predicted = descend(chunk, floor_of(spec, fixed), kv_block(fixed), lambda c: wait_at(model, step, c, TAIL),
-                        target, headroom)
+    predicted = descend(chunk, floor_of(spec, fixed, knobs, raised), kv_block(fixed),
+                        lambda c: wait_at(model, step, c, TAIL), target, headroom)
     chunk = list(predicted)[-1]
     prediction = {**prediction, "model_heldout_mape": model.heldout_mape,
                   "predicted_wait_s": {str(c): t for c, t in predicted.items()}}
@@ -465,10 +466,14 @@ def seqs_floor(spec: Spec, knobs: Knobs, raised: Mapping[str, int] | None = None
     return max(1, spec.bounds.get(SEQS, (1, 0))[0], kept_raise(knobs, SEQS, raised))
 
 
-def floor_of(spec: Spec, fixed: Mapping[str, Any]) -> int:
-    """The smallest chunk a cut goes to: the operator's lower bound, and never under one KV block
-    (smaller chunks pay a step's fixed cost for a sliver of a prompt)."""
-    return max(spec.bounds.get(KNOB, (1, 0))[0], kv_block(fixed))
+def floor_of(spec: Spec, fixed: Mapping[str, Any], knobs: Knobs | None = None,
+             raised: Mapping[str, int] | None = None) -> int:
+    """The smallest chunk a cut goes to: the operator's lower bound, never under one KV block
+    (smaller chunks pay a step's fixed cost for a sliver of a prompt), and never under a raise
+    of the chunk in force (`kept_raise`: benchmarks/autopilot.py run 101, the chunk 64→96 for a
+    TTFT p99 of 7.6 s and a stall cut back to 64 eleven seconds later)."""
+    floor = max(spec.bounds.get(KNOB, (1, 0))[0], kv_block(fixed))
+    return floor if knobs is None else max(floor, kept_raise(knobs, KNOB, raised))
 
 
 def kv_block(fixed: Mapping[str, Any]) -> int:
