@@ -19,8 +19,8 @@ from appliance.engine.knobs import KnobState, KnobUpdate
 from appliance.records import ITERATION_METRICS, HoldCause, InFlightRequest, IterationStats, RequestStats
 from appliance.server.autopilot import FOLLOW_UP_S, SOURCE, Autopilot
 from appliance.server.autopilot_stalls import STARVED
-from appliance.server.autopilot_choice import (LOAD_GROWTH, MARGIN, USED, Choice, Forecast, candidates, heavier,
-                                              load_checked, never_reached, pick, weigh)
+from appliance.server.autopilot_choice import (LOAD_GROWTH, MARGIN, USED, Choice, Forecast, candidates, choose,
+                                              heavier, load_checked, never_reached, pick, weigh)
 from appliance.server.autopilot_requests import ReplaySet, replayable
 from appliance.server.autopilot_policy import (DecodeGaps, Move, SpecError, WindowStats, decide, parse_spec, window_stats,
                                                worst_gaps)
@@ -51,6 +51,7 @@ class Engine:
         self.state = KnobState(Knobs(**knobs))
         self.sinks = []
         self.fail = False
+        self.now = 0.0  # when a change without its own `at` is applied
 
     @property
     def knobs(self) -> Knobs:
@@ -60,12 +61,12 @@ class Engine:
     def version(self) -> int:
         return self.state.snapshot.version
 
-    def apply(self, changes, source=SOURCE, at=0.0, **why):
+    def apply(self, changes, source=SOURCE, at=None, **why):
         if self.fail:
             raise RuntimeError("boom")
         change = self.state.apply(KnobUpdate(changes, source, **why), iteration=0)
         if change is not None:
-            change = replace(change, applied_at=at)
+            change = replace(change, applied_at=self.now if at is None else at)
             for sink in self.sinks:
                 sink.on_knob_change(change)
         return change
@@ -1315,20 +1316,26 @@ def test_a_candidate_its_replay_would_not_change_is_not_replayed(monkeypatch):
 # -- the backlog: requests still in flight at the decision --------------------------------------------
 
 def window_at(ap: Autopilot, knobs: Knobs, step: StepTimeModel, arriving: list[SimRequest], now: float,
-              max_tokens: int) -> list[InFlightRequest]:
+              max_tokens: int, store: TelemetryWriter | None = None) -> list[InFlightRequest]:
     """Feed what the true engine showed of `arriving` (served under `knobs`) up to `now` seconds
     after T0: the iterations that started by then and the requests that finished by then; returns
-    the others that had arrived, as LLMEngine.in_flight would give them at T0 + now."""
+    the others that had arrived, as LLMEngine.in_flight would give them at T0 + now. `store`: gets
+    those iterations and every request that had arrived, as it ends (the server's store later)."""
     out = replay(arriving, knobs, CacheShape(FIXED["num_blocks"], FIXED["block_size"], FIXED["max_model_len"]), step)
+    sinks = [ap] if store is None else [ap, store]
     for it in out.iterations:
         if it.started_at <= now:
-            ap.on_iteration(replace(it, started_at=T0 + it.started_at))
+            for sink in sinks:
+                sink.on_iteration(replace(it, started_at=T0 + it.started_at))
     pending = []
     for r, sent in zip(out.results, arriving):
         first, end = r.sent_at + r.ttft, r.sent_at + r.e2e
+        record = RequestStats(str(r.index), "api", None, T0 + r.sent_at, T0 + r.sent_at, T0 + first, T0 + end,
+                              sent.prompt_tokens, r.output_tokens, "length", 0, 0)
+        if store is not None and r.sent_at <= now:
+            store.on_request(record)
         if end <= now:
-            ap.on_request(RequestStats(str(r.index), "api", None, T0 + r.sent_at, T0 + r.sent_at, T0 + first,
-                                       T0 + end, sent.prompt_tokens, r.output_tokens, "length", 0, 0))
+            ap.on_request(record)
         elif r.sent_at <= now:
             token_times = [first + sum(r.itl[:k]) for k in range(len(r.itl) + 1)]
             pending.append(InFlightRequest(T0 + r.sent_at, sent.prompt_tokens, sum(t <= now for t in token_times),
@@ -1384,7 +1391,8 @@ def test_the_window_counts_requests_in_flight_by_what_they_have_shown_so_far():
 def test_a_request_in_flight_is_replayed_with_the_output_its_finished_peers_suggest(reasons, expected):
     # most finished requests ran to max_tokens: one in flight will too; else it generates the
     # finished ones' median (11), or one more than it has when it has that many already
-    done = [replace(request(T0 + i, 0.2, out=out), finish_reason=why) for i, (out, why) in enumerate(zip((9, 11, 40), reasons))]
+    done = [replace(request(T0 + i, 0.2, out=out), finish_reason=why)
+            for i, (out, why) in enumerate(zip((9, 11, 40), reasons))]
     pending = [InFlightRequest(T0 + 5, 100, 0, 48, None, 0), InFlightRequest(T0 + 4, 100, 19, 48, T0 + 4.5, 16)]
     finished, in_flight, start = replayable(done, pending)
     assert start is None  # all fit: from the first arrival
@@ -1448,3 +1456,37 @@ def test_the_stall_answer_to_a_replays_hold_is_priced_like_a_candidate(ttft_s, a
                                  f"(max_num_partial_prefills=2) is not made: its replay pushes TTFT p99 4450 → "
                                  f"{after.ttft_p99 * 1000:.0f} ms (target 3000 ms)]")
         assert prediction["stall_answer"]["changes"] == {"max_num_partial_prefills": 2}
+
+
+def test_a_move_is_decided_again_from_the_store_as_it_was_made(tmp_path):
+    # benchmarks/autopilot_decision.py rebuilds, from a store the real writer filled, the backlog
+    # test's window (22 finished requests, 6 in flight, whose records end after the move) and
+    # decides the same move, for the same reason, with the same prediction
+    import sys
+    from pathlib import Path
+
+    from appliance.telemetry.runs import create_run
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from autopilot_decision import decision
+
+    url = f"sqlite:///{tmp_path / 'telemetry.db'}"
+    knobs = Knobs(max_num_seqs=2)
+    arriving = [SimRequest(i / 4, 64, 8) for i in range(20)] + [SimRequest(5.0, 64, 64) for _ in range(8)]
+    pending: list[InFlightRequest] = []
+    ap, engine = pilot("ttft_p99=1s,max_num_seqs=2..16", fixed=FIXED, window_s=300, in_flight=lambda: pending,
+                       max_num_seqs=2)
+    engine.now = T0 + 7.5
+    with TelemetryWriter(url, "r1", flush_interval_s=0.05) as writer:
+        create_run(url, "way", "scripted", {}, {"knobs": knobs.as_dict(), "version": 0, "fixed": FIXED}, "r1",
+                   started_at=T0 - 1)
+        engine.sinks.append(writer)
+        pending += window_at(ap, knobs, true_engine(), arriving, 7.5, 64, store=writer)
+        live = ap.tick(T0 + 7.5)
+        assert live is not None and writer.flush(10)
+    made = ap.view()["moves"][-1]
+    again = decision(url, made["version"], window_s=300)
+    assert (len(again.requests), len(again.in_flight)) == (22, 6)
+    choice = choose(again.iterations, again.requests, again.knobs, ap.spec, again.fixed, again.last_raise, again.kept,
+                    again.raised, again.operator, again.in_flight, again.at, budget_s=UNBOUNDED_S)
+    assert choice.move == live and choice.reason == made["reason"] and choice.prediction == made["prediction"]

@@ -33,7 +33,7 @@ from typing import Any
 from ..engine import StatsSink
 from ..engine.knobs import KnobConflict, KnobSnapshot
 from ..records import InFlightRequest, IterationStats, KnobChange, RequestStats
-from .autopilot_choice import BUDGET_S, replayed, without_replay
+from .autopilot_choice import BUDGET_S, choose
 from .autopilot_policy import MIN_REQUESTS, Choice, Move, Spec, decide, window_stats
 from .autopilot_stalls import KNOB as CHUNK
 from .autopilot_stalls import chunk_cut
@@ -248,16 +248,9 @@ class Autopilot(StatsSink):
         `operator`: the operator's knob values, autopilot_stalls.raise_stalls; `in_flight`: the
         requests unfinished at `now`, autopilot_choice.replayed)."""
         if self._fixed is not None:
-            # what needs no replay (a step-time fit at most, milliseconds) is decided here, where a
-            # worker at nice 19 beside a busy engine would wait most of a second for the CPU
-            # (benchmarks/autopilot.py run 22: the foreseen cut came just after the first stall)
-            fixed = self._fixed()
-            quick = without_replay(iterations, requests, knobs, spec, fixed, last_raise, kept, raised, in_flight, now)
-            if quick is not None:
-                return quick
-            run = self._worker.replayed if self._worker is not None else replayed
-            return run(iterations, requests, knobs, spec, fixed, last_raise, budget_s=self.replay_budget_s,
-                       raised=raised, operator=operator, in_flight=in_flight, now=now)
+            return choose(iterations, requests, knobs, spec, self._fixed(), last_raise, kept, raised, operator,
+                          in_flight, now, budget_s=self.replay_budget_s,
+                          run=self._worker.replayed if self._worker is not None else None)
         move = decide(window_stats(iterations, requests, in_flight=in_flight, now=now), knobs, spec, last_raise)
         return Choice(move, move.reason if move else "hold: the rules propose nothing")
 

@@ -203,6 +203,22 @@ def without_replay(iterations: Sequence[IterationStats], requests: Sequence[Requ
     return None
 
 
+def choose(iterations: Sequence[IterationStats], requests: Sequence[RequestStats], knobs: Knobs, spec: Spec,
+           fixed: Mapping[str, Any], last_raise: Mapping[str, int], kept: Sequence[IterationStats],
+           raised: Mapping[str, int], operator: Mapping[str, Any], in_flight: Sequence[InFlightRequest],
+           now: float, *, budget_s: float = BUDGET_S, run: Callable[..., Choice] | None = None) -> Choice:
+    """The simulating autopilot's decision: `without_replay` where it decides (in the caller's
+    thread: a worker at nice 19 beside a busy engine would wait most of a second for the CPU,
+    benchmarks/autopilot.py run 22, where the foreseen cut came just after the first stall), else
+    `replayed`, through `run` (the server's: its worker process; default: here). The arguments
+    are `without_replay`'s and `replayed`'s."""
+    quick = without_replay(iterations, requests, knobs, spec, fixed, last_raise, kept, raised, in_flight, now)
+    if quick is not None:
+        return quick
+    return (run or replayed)(iterations, requests, knobs, spec, fixed, last_raise, budget_s=budget_s, raised=raised,
+                             operator=operator, in_flight=in_flight, now=now)
+
+
 def replayed(iterations: Sequence[IterationStats], requests: Sequence[RequestStats], knobs: Knobs, spec: Spec,
              fixed: Mapping[str, Any], last_raise: Mapping[str, int] | None = None, *, budget_s: float = BUDGET_S,
              raised: Mapping[str, int] | None = None, operator: Mapping[str, Any] | None = None,

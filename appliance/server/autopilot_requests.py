@@ -69,11 +69,11 @@ class ReplaySet:
         for r in done:
             aborted = r.finish_reason == FinishReason.ABORT
             out._add(t0, r.arrival, r.prompt_tokens, r.output_tokens + aborted, r.first_token, r.cached_tokens,
-                     made=_made_by(t0, r.first_token, r.finished, r.output_tokens),
+                     made=made_by(t0, r.first_token, r.finished, r.output_tokens),
                      cancel_at=max(0.0, r.finished - t0) if aborted else None)
         for r in in_flight:
             expected = r.max_tokens if to_length else min(r.max_tokens, max(r.output_tokens + 1, typical))
-            made = _made_by(t0, r.first_token, now, r.output_tokens) if now is not None else 0
+            made = made_by(t0, r.first_token, now, r.output_tokens) if now is not None else 0
             out._add(t0, r.arrival, r.prompt_tokens, expected, r.first_token, r.cached_tokens, made=made)
         return out
 
@@ -98,9 +98,9 @@ class ReplaySet:
                 for r, waited, known in zip(results, self.waited, self.ttft)]
 
 
-def _made_by(t0: float, first_token: float | None, until: float | None, tokens: int) -> int:
+def made_by(t0: float, first_token: float | None, until: float | None, tokens: int) -> int:
     """Of the `tokens` a request streamed from `first_token` until `until`, about how many it had
-    by `t0` (evenly spread; 0 without a first token by then)."""
+    made by `t0` (evenly spread; 0 without a first token by then)."""
     if first_token is None or first_token > t0 or until is None:
         return 0
     if until <= first_token:
