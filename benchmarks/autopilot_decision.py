@@ -150,7 +150,7 @@ def calibration(d: Decision, spec: Spec) -> tuple[float, list[str]]:
         ttft = (first if first is not None else d.at) - r.arrival
         gap = max(gaps.of_request(first, end), default=0.0) if first is not None else None
         state = "done" if isinstance(r, RequestStats) else "streaming" if first is not None else "waiting"
-        lines.append(f"{state:<9} +{r.arrival - start:6.2f} s prompt {r.prompt_tokens:4d} | TTFT measured "
+        lines.append(f"{state:<9} {r.arrival - start:+7.2f} s prompt {r.prompt_tokens:4d} | TTFT measured "
                      f"{ttft:6.2f} s{'+' if state == 'waiting' else ' '} replayed {results[i].ttft or 0:6.2f} s | "
                      f"worst gap measured {'-' if gap is None else f'{gap * 1000:.0f} ms'} replayed "
                      f"{max(results[i].itl, default=0) * 1000:.0f} ms")

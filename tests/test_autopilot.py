@@ -1465,6 +1465,7 @@ def test_a_move_is_decided_again_from_the_store_as_it_was_made(tmp_path):
     import sys
     from pathlib import Path
 
+    from appliance.telemetry import store
     from appliance.telemetry.runs import create_run
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -1477,6 +1478,7 @@ def test_a_move_is_decided_again_from_the_store_as_it_was_made(tmp_path):
     ap, engine = pilot("ttft_p99=1s,max_num_seqs=2..16", fixed=FIXED, window_s=300, in_flight=lambda: pending,
                        max_num_seqs=2)
     engine.now = T0 + 7.5
+    store.upgrade(url)
     with TelemetryWriter(url, "r1", flush_interval_s=0.05) as writer:
         create_run(url, "way", "scripted", {}, {"knobs": knobs.as_dict(), "version": 0, "fixed": FIXED}, "r1",
                    started_at=T0 - 1)

@@ -19,10 +19,10 @@ step-time model foresees stalling decode rows past the ITL target is barred
 (autopilot_stalls.raise_stalls), from the replayed candidates and from the rules' move alike. A
 replay that ends in a hold leaves the choice to the stall answer when the window's prefill steps
 stalled (`or_stall_cut`).
-Replays (`replayed`) are bounded (at most MAX_REQUESTS requests: autopilot_requests; a time budget checked
-between replays, the load check's two excepted; a candidate that only lowers a limit the replay
-of the knobs in force never came up to is not replayed: its forecast is that replay's) and run
-where the caller runs them (in the server: a worker process at nice 19, `autopilot_worker`,
+Replays (`replayed`) are bounded (at most MAX_REQUESTS requests, autopilot_requests; a time
+budget checked between replays, the load check's two excepted; a candidate that only lowers a
+limit the replay of the knobs in force never came up to is not replayed: its forecast is that
+replay's) and run where the caller runs them (in the server: a worker process at nice 19, `autopilot_worker`,
 whose CPU the engine's threads share; never the engine's thread).
 """
 
@@ -365,8 +365,8 @@ def or_stall_cut(choice: Choice, iterations: Sequence[IterationStats], knobs: Kn
     replay's figures for the streams those stalls keep waiting rest on estimated outputs, and
     replays of finished requests alone missed them (benchmarks/autopilot.py runs 37-38: replays
     that never ran more than 8 sequences predicted max_num_seqs 8 to change nothing while the
-    live batch ran up to 16 beside 64-token chunks). When that answer holds too, its reason joins the hold's: the
-    decision says why neither acted."""
+    live batch ran up to 16 beside 64-token chunks). When that answer holds too, its reason joins
+    the hold's: the decision says why neither acted."""
     if choice.move is not None:
         return choice
     cut = chunk_cut(iterations, knobs, spec, fixed, foresee=False, raised=raised)
