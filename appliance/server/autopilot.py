@@ -189,13 +189,13 @@ class Autopilot(StatsSink):
                 operator = dict(self._operator)
                 last_raise = raised if now - self._last_move_at >= self.window_s else {}
             snap = self._knobs()
-            pending = list(self._in_flight()) if self._in_flight is not None else []
             if follow_up:  # only a stall seen under the cut deepens it: no foresight, no replay
                 assert self._fixed is not None  # _follow_up_due holds only with the fixed settings
                 choice = chunk_cut(iterations, snap.knobs, spec, self._fixed(), foresee=False, raised=raised)
                 if choice is None:
                     return None
             else:
+                pending = list(self._in_flight()) if self._in_flight is not None else []
                 choice = self._choose(iterations, requests, snap.knobs, spec, last_raise, kept, raised, operator,
                                       pending, now)
             with self._lock:
