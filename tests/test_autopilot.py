@@ -814,10 +814,13 @@ def test_foresight_prices_a_whole_chunk_at_the_tail_of_the_fits_spread(itl_ms, c
 @pytest.mark.parametrize("n, cut", [(200, True), (20, False)])
 def test_a_window_that_starts_empty_foresees_with_the_engines_steps_from_before_it(n, cut):
     # the steps ran (64-token chunks beside 2-6 decode rows, no stall) and left the 30 s window,
-    # which holds no decode step: a whole 256-token chunk beside the 6 decode rows the engine ran
-    # before it (their context grown since) would keep them waiting 225 ms, one of 128 tokens
-    # 141 ms (144 tokens: 151). 20 steps: only two carried prefill tokens, too few to price them
-    ap, engine = pilot("ttft_p99=5s,itl_p99=150ms", fixed=FIXED, window_s=30, long_prefill_token_threshold=256)
+    # which holds no decode step; 6 requests are still in flight: a whole 256-token chunk beside
+    # the 6 decode rows the engine ran before it (their context grown since) would keep them
+    # waiting 225 ms, one of 128 tokens 141 ms (144 tokens: 151). 20 steps: only two carried
+    # prefill tokens, too few to price them
+    streams = [InFlightRequest(T0, 100, 20, 200, T0 + 0.5, 0)] * 6
+    ap, engine = pilot("ttft_p99=5s,itl_p99=150ms", fixed=FIXED, window_s=30, in_flight=lambda: streams,
+                       long_prefill_token_threshold=256)
     end = stalling_window(ap, n=n, chunks=(64,))
     assert (ap.tick(end + 60) is not None) is cut
     if not cut:
@@ -827,10 +830,28 @@ def test_a_window_that_starts_empty_foresees_with_the_engines_steps_from_before_
     assert engine.knobs.long_prefill_token_threshold == 128
     last = ap.view()["moves"][-1]
     assert last["reason"].startswith("long_prefill_token_threshold 256→128: foreseen: 1 whole 256-token chunk(s) "
-                                     "beside the 6 decode rows the engine ran before this window would keep them "
-                                     "waiting ")
+                                     "beside the 6 decode rows the engine ran before this window and has still in "
+                                     "flight would keep them waiting ")
     assert "fitted on the engine's steps before this window" in last["reason"]
     assert last["prediction"]["foreseen_wait_s"] > 0.15 >= last["prediction"]["predicted_wait_s"]["128"]
+
+
+@pytest.mark.parametrize("in_flight, chunk, beside", [
+    (2, 160, "the 2 decode rows the engine ran before this window and has still in flight"),
+    (0, 176, "one decode row")])
+def test_the_decode_rows_of_finished_requests_stall_nothing(in_flight, chunk, beside):
+    # as above, but with fewer requests in flight than the steps from before the window ran
+    # beside their chunks: only those still in flight price the chunk (with none, one decode row),
+    # and it is cut less deep than beside the 6 rows of a load that has ended (to 160 tokens, 146 ms
+    # beside 2 rows; to 176, 150 ms beside one)
+    streams = [InFlightRequest(T0, 100, 20, 200, T0 + 0.5, 0)] * in_flight
+    ap, engine = pilot("ttft_p99=5s,itl_p99=150ms", fixed=FIXED, window_s=30, in_flight=lambda: streams,
+                       long_prefill_token_threshold=256)
+    end = stalling_window(ap, chunks=(64,))
+    assert ap.tick(end + 60) is not None and engine.knobs.long_prefill_token_threshold == chunk
+    reason = ap.view()["moves"][-1]["reason"]
+    assert reason.startswith(f"long_prefill_token_threshold 256→{chunk}: foreseen: 1 whole 256-token chunk(s) "
+                             f"beside {beside} would keep them waiting ")
 
 
 def test_a_chunk_cut_still_stalled_under_is_cut_deeper_inside_the_cooldown():

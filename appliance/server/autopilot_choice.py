@@ -189,7 +189,7 @@ def without_replay(iterations: Sequence[IterationStats], requests: Sequence[Requ
     not finished at `now` (window_stats)."""
     w = window_stats(iterations, requests, in_flight=in_flight, now=now)
     if w.requests < MIN_REQUESTS:
-        return chunk_cut(iterations, knobs, spec, fixed, kept=kept, raised=raised) or Choice(
+        return chunk_cut(iterations, knobs, spec, fixed, kept=kept, raised=raised, in_flight=len(in_flight)) or Choice(
             None, f"hold: {w.requests} finished request(s) in the window, at least {MIN_REQUESTS} needed")
     ttft_target = spec.targets.get("ttft_p99")
     ttft_kept = ttft_target is None or w.ttft_p99 is None or w.ttft_p99 <= ttft_target

@@ -33,8 +33,9 @@ spaced out like a replay.
 
 The model also sees a stall coming (`foresight`): a whole chunk beside the most decode rows the
 window has run is predicted (before it has run any, the most the engine ran in its latest steps
-before the window, else one: benchmarks/autopilot.py run 77, priced beside one decode row, cut a
-256-token chunk to 224 only, and 13 chat requests missed ITL before a stall cut it to 80); a
+before the window, as far as it has requests still in flight, `still_in_flight`, else one:
+benchmarks/autopilot.py run 77, priced beside one decode row, cut a 256-token chunk to 224 only,
+and 13 chat requests missed ITL before a stall cut it to 80); a
 chunk whose step would miss the target at the tail of the fit's spread (the quantile that judges
 a stall the chunk's) is cut the same way before the first prompt that long arrives
 (benchmarks/autopilot.py run 75: a whole 256-token chunk priced just under the 150 ms target at
@@ -105,10 +106,11 @@ def stalled_steps(iterations: Sequence[IterationStats], target: float) -> list[t
 
 def chunk_cut(iterations: Sequence[IterationStats], knobs: Knobs, spec: Spec, fixed: Mapping[str, Any],
               foresee: bool = True, kept: Sequence[IterationStats] = (),
-              raised: Mapping[str, int] | None = None) -> Choice | None:
+              raised: Mapping[str, int] | None = None, in_flight: int = 0) -> Choice | None:
     """The choice for a window whose prefill steps stalled decoding past the ITL target, or
     (`foresee`), when the chunk has not yet, whose chunk the step-time model foresees doing so
-    (`foresight`, which prices steps on `kept` when the window cannot). `fixed`: the engine's fixed
+    (`foresight`, which prices steps on `kept` when the window cannot, beside as many of their
+    decode rows as the engine has requests `in_flight`). `fixed`: the engine's fixed
     settings, which key the step-time model; `raised`: the autopilot's last raise still in force
     ({knob: its value before}), which no stall cut undoes (`prefills_floor`, `seqs_floor`). None
     when there is no ITL target, no stall and none foreseen."""
@@ -117,7 +119,8 @@ def chunk_cut(iterations: Sequence[IterationStats], knobs: Knobs, spec: Spec, fi
         return None
     stalls = stalled_steps(iterations, target)
     if not stalls:
-        return foresight(iterations, knobs, spec, fixed, kept=kept, raised=raised) if foresee else None
+        return foresight(iterations, knobs, spec, fixed, kept=kept, raised=raised,
+                         in_flight=in_flight) if foresee else None
     wait = max(w for _, w in stalls)
     seen = f"{len(stalls)} step(s) carrying prefill chunks kept decode rows waiting up to {wait * 1000:.0f} ms " \
            f"(ITL target {target * 1000:.0f} ms)"
@@ -159,12 +162,13 @@ def chunk_cut(iterations: Sequence[IterationStats], knobs: Knobs, spec: Spec, fi
 
 def foresight(iterations: Sequence[IterationStats], knobs: Knobs, spec: Spec, fixed: Mapping[str, Any],
               model: StepTimeModel | None = None, kept: Sequence[IterationStats] = (),
-              raised: Mapping[str, int] | None = None) -> Choice | None:
+              raised: Mapping[str, int] | None = None, in_flight: int = 0) -> Choice | None:
     """Before the chunk has stalled decoding: it bounds the step a long prompt makes beside the
     decode rows in flight. The model (`model`, else the window's own fit once MIN_PREFILL_STEPS
     of its steps carried prefill tokens, else one on the engine's `kept` steps from before the
     window) predicts the heaviest decode step the window holds (before it holds any, the heaviest
-    of the engine's `kept` steps: the traffic in flight when the window started, else one decode
+    of the engine's `kept` steps with their decode rows cut to the `in_flight` requests: the
+    traffic still in flight as the window started, `still_in_flight`; with none, one decode
     row) with each of its prefills (at least one) a whole chunk, within the token budget; if that
     step's decode rows would wait longer than the ITL target at the tail of the fit's spread
     (`tail_quantile`, as a stall is judged the chunk's), the chunk is cut as a stall would cut it,
@@ -184,7 +188,8 @@ def foresight(iterations: Sequence[IterationStats], knobs: Knobs, spec: Spec, fi
     decoding = [composition_of(it.as_dict()) for it in iterations if it.decode_seqs > 0]
     before = not decoding  # the window has run no decode step: the traffic in flight as it started
     if before:
-        decoding = [composition_of(it.as_dict()) for it in kept if it.decode_seqs > 0]
+        decoding = [c for it in kept if it.decode_seqs > 0
+                    if (c := still_in_flight(composition_of(it.as_dict()), in_flight)) is not None]
 
     def with_full_chunks(c: Composition) -> Composition:
         prompts = knobs.max_num_partial_prefills if at_floor else max(1, c.prefill_seqs)
@@ -200,7 +205,7 @@ def foresight(iterations: Sequence[IterationStats], knobs: Knobs, spec: Spec, fi
     if not decoding:
         beside = "one decode row"
     elif before:
-        beside = f"the {ahead.decode_rows} decode rows the engine ran before this window"
+        beside = f"the {ahead.decode_rows} decode rows the engine ran before this window and has still in flight"
     else:
         beside = f"the {ahead.decode_rows} decode rows the window has run"
     fitted = "" if own else ", fitted on the engine's steps before this window"
@@ -210,6 +215,20 @@ def foresight(iterations: Sequence[IterationStats], knobs: Knobs, spec: Spec, fi
     if at_floor:
         return prefills_cut(model, ahead, knobs, spec, seen, {"foreseen_wait_s": wait}, raised)
     return deepest_needed(model, ahead, knobs, spec, fixed, seen, {"foreseen_wait_s": wait}, raised)
+
+
+def still_in_flight(step: Composition, requests: int) -> Composition | None:
+    """`step`, one of the engine's from before the window, with its decode rows cut to the
+    `requests` in flight now (their context in proportion), or None when none is: rows whose
+    requests have finished stall nothing (benchmarks/autopilot.py runs 96-103: each second
+    autopilot way, switched on over an idle engine, priced a whole chunk beside the 14-21 decode
+    rows of a load that had ended a minute before and cut the chunk to 64-112, where most chat
+    and long prompts count as long and wait for the one long-prefill slot; every one of them lost
+    the long prompts' phase to the best fixed setting, mostly on TTFT)."""
+    rows = min(step.decode_rows, requests)
+    if rows <= 0:
+        return None
+    return replace(step, decode_rows=rows, decode_context_tokens=step.decode_context_tokens * rows // step.decode_rows)
 
 
 def raise_stalls(model: StepTimeModel, iterations: Sequence[IterationStats], requests: Sequence[RequestStats],
