@@ -836,18 +836,20 @@ def test_a_window_that_starts_empty_foresees_with_the_engines_steps_from_before_
     assert last["prediction"]["foreseen_wait_s"] > 0.15 >= last["prediction"]["predicted_wait_s"]["128"]
 
 
-@pytest.mark.parametrize("in_flight, chunk, beside", [
-    (2, 160, "the 2 decode rows the engine ran before this window and has still in flight"),
-    (0, 176, "one decode row")])
-def test_the_decode_rows_of_finished_requests_stall_nothing(in_flight, chunk, beside):
+@pytest.mark.parametrize("in_flight, prompts, chunk, beside", [
+    (2, 1, 160, "the 2 decode rows the engine ran before this window and has still in flight"),
+    (0, 1, 176, "one decode row"),
+    (1, 3, 160, "the 1 decode rows the engine ran before this window and has still in flight")])
+def test_the_decode_rows_of_finished_requests_stall_nothing(in_flight, prompts, chunk, beside):
     # as above, but with fewer requests in flight than the steps from before the window ran
     # beside their chunks: only those still in flight price the chunk (with none, one decode row),
     # and it is cut less deep than beside the 6 rows of a load that has ended (to 160 tokens, 146 ms
-    # beside 2 rows; to 176, 150 ms beside one)
+    # beside 2 rows; to 176, 150 ms beside one). Steps that carried 3 prompts' chunks at once
+    # count as many of them as requests are in flight: one
     streams = [InFlightRequest(T0, 100, 20, 200, T0 + 0.5, 0)] * in_flight
     ap, engine = pilot("ttft_p99=5s,itl_p99=150ms", fixed=FIXED, window_s=30, in_flight=lambda: streams,
                        long_prefill_token_threshold=256)
-    end = stalling_window(ap, chunks=(64,))
+    end = stalling_window(ap, chunks=(64,), prompts=prompts)
     assert ap.tick(end + 60) is not None and engine.knobs.long_prefill_token_threshold == chunk
     reason = ap.view()["moves"][-1]["reason"]
     assert reason.startswith(f"long_prefill_token_threshold 256→{chunk}: foreseen: 1 whole 256-token chunk(s) "

@@ -167,9 +167,9 @@ def foresight(iterations: Sequence[IterationStats], knobs: Knobs, spec: Spec, fi
     decode rows in flight. The model (`model`, else the window's own fit once MIN_PREFILL_STEPS
     of its steps carried prefill tokens, else one on the engine's `kept` steps from before the
     window) predicts the heaviest decode step the window holds (before it holds any, the heaviest
-    of the engine's `kept` steps with their decode rows cut to the `in_flight` requests: the
-    traffic still in flight as the window started, `still_in_flight`; with none, one decode
-    row) with each of its prefills (at least one) a whole chunk, within the token budget; if that
+    of the engine's `kept` steps with their decode rows and prompts cut to the `in_flight`
+    requests: the traffic still in flight as the window started, `still_in_flight`; with none,
+    one decode row) with each of its prefills (at least one) a whole chunk, within the token budget; if that
     step's decode rows would wait longer than the ITL target at the tail of the fit's spread
     (`tail_quantile`, as a stall is judged the chunk's), the chunk is cut as a stall would cut it,
     before the first long prompt makes one.
@@ -218,17 +218,21 @@ def foresight(iterations: Sequence[IterationStats], knobs: Knobs, spec: Spec, fi
 
 
 def still_in_flight(step: Composition, requests: int) -> Composition | None:
-    """`step`, one of the engine's from before the window, with its decode rows cut to the
-    `requests` in flight now (their context in proportion), or None when none is: rows whose
-    requests have finished stall nothing (benchmarks/autopilot.py runs 96-103: each second
-    autopilot way, switched on over an idle engine, priced a whole chunk beside the 14-21 decode
-    rows of a load that had ended a minute before and cut the chunk to 64-112, where most chat
-    and long prompts count as long and wait for the one long-prefill slot; every one of them lost
-    the long prompts' phase to the best fixed setting, mostly on TTFT)."""
-    rows = min(step.decode_rows, requests)
+    """`step`, one of the engine's from before the window, with its decode rows and its prompts
+    each cut to the `requests` in flight now (their context and prefill tokens in proportion), or
+    None when it keeps no decode row: rows whose requests have finished stall nothing, and prompts
+    that came at once then are no sign of the next ones (benchmarks/autopilot.py runs 96-103: each
+    second autopilot way, switched on over an idle engine, priced a whole chunk beside the 14-21
+    decode rows of a load that had ended a minute before and cut the chunk to 64-112, where most
+    chat and long prompts count as long and wait for the one long-prefill slot; every one of them
+    lost the long prompts' phase to the best fixed setting, mostly on TTFT. Run 104, stopped after
+    its first minute: with the rows cut but not the prompts, 4 whole chunks beside one row, the
+    warm-up's 4 prompts sent at once, cut the chunk 256→64, and chat TTFT p99 reached 6 s)."""
+    rows, prompts = min(step.decode_rows, requests), min(step.prefill_seqs, requests)
     if rows <= 0:
         return None
-    return replace(step, decode_rows=rows, decode_context_tokens=step.decode_context_tokens * rows // step.decode_rows)
+    return replace(step, decode_rows=rows, decode_context_tokens=step.decode_context_tokens * rows // step.decode_rows,
+                   prefill_seqs=prompts, prefill_tokens=step.prefill_tokens * prompts // max(1, step.prefill_seqs))
 
 
 def raise_stalls(model: StepTimeModel, iterations: Sequence[IterationStats], requests: Sequence[RequestStats],
