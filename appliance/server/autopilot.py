@@ -36,6 +36,7 @@ from ..records import InFlightRequest, IterationStats, KnobChange, RequestStats
 from .autopilot_choice import BUDGET_S, choose
 from .autopilot_policy import MIN_REQUESTS, Choice, Move, Spec, decide, window_stats
 from .autopilot_stalls import KNOB as CHUNK
+from .autopilot_slots import floored, long_slots_floor
 from .autopilot_stalls import chunk_cut
 from .autopilot_worker import ChoiceWorker
 
@@ -189,13 +190,16 @@ class Autopilot(StatsSink):
                 operator = dict(self._operator)
                 last_raise = raised if now - self._last_move_at >= self.window_s else {}
             snap = self._knobs()
+            pending = list(self._in_flight()) if self._in_flight is not None else []
             if follow_up:  # only a stall seen under the cut deepens it: no foresight, no replay
                 assert self._fixed is not None  # _follow_up_due holds only with the fixed settings
-                choice = chunk_cut(iterations, snap.knobs, spec, self._fixed(), foresee=False, raised=raised)
+                fixed = self._fixed()
+                slots = long_slots_floor(iterations, requests, pending, snap.knobs, fixed, now)
+                choice = chunk_cut(iterations, snap.knobs, floored(spec, snap.knobs, slots), fixed, foresee=False,
+                                   raised=raised)
                 if choice is None:
                     return None
             else:
-                pending = list(self._in_flight()) if self._in_flight is not None else []
                 choice = self._choose(iterations, requests, snap.knobs, spec, last_raise, kept, raised, operator,
                                       pending, now)
             with self._lock:

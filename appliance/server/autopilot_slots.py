@@ -1,0 +1,120 @@
+"""The long-prefill slots: how low the chunk may go for the prompts the window brought.
+
+A prompt longer than the chunk (long_prefill_token_threshold) is prefilled a chunk per step and
+holds one of max_long_partial_prefills slots for all of those steps: the engine admits no other
+long prompt into it until that one's last chunk has run. A chunk cut therefore costs the long
+prompts capacity twice: each takes more steps, and prompts that were short (prefilled in their
+step beside any others) become long and queue for the slots. Cut below the length of the traffic's
+prompts, the slots are busier than the arrivals allow and the queue grows for as long as the
+traffic lasts (benchmarks/autopilot.py runs 96-105: chat prompts of 96-256 tokens at 6/s; a
+stall cut or a foresight cut to 64 tokens, where every chat prompt is long, and TTFT p99 reached
+6-8 s within a minute, 100 % of the queue held by max_long_partial_prefills; the raises of the
+chunk that would drain it were barred as stalls, or came a step at a time).
+
+`long_slots_floor` counts it from the window's own prompts (finished or in flight, arrived since
+the window started; their uncached tokens): under a chunk of c tokens they need sum(ceil(n / c))
+steps of a slot over the prompts longer than c, each step as long as the step-time model fitted
+on the window predicts one c-token chunk beside the decode rows its prefill steps ran. The floor is the smallest chunk, in whole KV blocks, under which that is at most
+BUSY of the slots' time since the window started. No cut of the chunk goes under it (`floored`),
+and a chunk under which the slots would be held longer than the time there is (OVER) is raised
+to it at once (`slots_raise`): such slots are a queue that grows for as long as the traffic
+lasts, and every request in it misses TTFT, whatever its stream's gaps.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from appliance.engine.knobs import Knobs
+from appliance.records import InFlightRequest, IterationStats, RequestStats
+from appliance.sim.fit import Composition, FitError, composition_of
+
+from .autopilot_policy import MIN_REQUESTS, Choice, Spec, bounded_move
+from .autopilot_stalls import fit_window, kv_block
+
+KNOB = "long_prefill_token_threshold"
+BUSY = 0.8  # the most of their time the long-prefill slots may be held by the window's prompts after a cut...
+OVER = 1.0  # ...and past which a chunk under the floor is raised to it: the slots cannot keep up
+
+
+@dataclass(frozen=True)
+class SlotsFloor:
+    """The chunk's floor for the window's prompts (0: too few prompts to say), and the slots'
+    busy share under the chunk in force and under the floor."""
+
+    chunk: int
+    prompts: int = 0
+    busy_now: float = 0.0
+    busy_at_floor: float = 0.0
+
+
+def busy(prompts: Sequence[int], chunk: int, slots: int, step_s: float, span_s: float) -> float:
+    """The share of `slots` long-prefill slots' time over `span_s` that `prompts` (uncached
+    tokens each) hold with `chunk`-token chunks, each step `step_s` long."""
+    steps = sum(math.ceil(n / chunk) for n in prompts if n > chunk)
+    return steps * step_s / (max(1, slots) * span_s)
+
+
+def long_slots_floor(iterations: Sequence[IterationStats], requests: Sequence[RequestStats],
+                     in_flight: Sequence[InFlightRequest], knobs: Knobs, fixed: Mapping[str, Any],
+                     now: float | None = None) -> SlotsFloor:
+    """The smallest chunk, in whole KV blocks (`fixed`: the engine's settings, which also key the
+    step-time model), under which the prompts that arrived since the window's first iteration
+    (finished, or `in_flight` at `now`) keep the long-prefill slots busy at most BUSY of the time
+    since then; each of a prompt's steps as long as the step-time model fitted on the window
+    predicts one chunk beside the decode rows its prefill steps ran on average (a larger chunk
+    takes fewer steps, each longer). 0, no floor: fewer than MIN_REQUESTS such prompts, a window
+    the model cannot be fitted on, or no chunk shorter than the longest prompt that keeps the
+    slots under BUSY (the prefill work itself, not the slots, is then more than the time holds)."""
+    if not iterations:
+        return SlotsFloor(0)
+    start = iterations[0].started_at
+    end = now if now is not None else iterations[-1].started_at + iterations[-1].duration_s
+    prompts = [r.prompt_tokens - r.cached_tokens for r in requests if r.arrival >= start]
+    prompts += [r.prompt_tokens - r.cached_tokens for r in in_flight if r.arrival >= start]
+    prefilling = [composition_of(it.as_dict()) for it in iterations if it.prefill_tokens > 0]
+    if len(prompts) < MIN_REQUESTS or not prefilling or end <= start:
+        return SlotsFloor(0, len(prompts))
+    try:
+        model = fit_window(iterations, fixed)
+    except FitError:
+        return SlotsFloor(0, len(prompts))
+    rows = sum(c.decode_rows for c in prefilling) / len(prefilling)
+    context = sum(c.decode_context_tokens for c in prefilling) / len(prefilling)
+    slots, span_s = knobs.max_long_partial_prefills, end - start
+
+    def share(chunk: int) -> float:
+        step_s = model.predict(Composition(round(rows), chunk, 1, round(context))) + model.gap_s
+        return busy(prompts, chunk, slots, step_s, span_s)
+
+    block, longest = kv_block(fixed), max(prompts)
+    floor = next((c for c in range(block, longest, block) if share(c) <= BUSY), 0)
+    return SlotsFloor(floor, len(prompts), share(knobs.long_prefill_token_threshold), share(floor) if floor else 0.0)
+
+
+def floored(spec: Spec, knobs: Knobs, floor: SlotsFloor) -> Spec:
+    """`spec` with the chunk's lower bound raised to the slots' floor, or to the chunk in force
+    when that is lower (no move of the chunk then goes under either; `slots_raise` lifts it)."""
+    lo, hi = spec.bounds.get(KNOB, (1, 1 << 30))
+    bound = max(lo, min(floor.chunk, knobs.long_prefill_token_threshold, hi))
+    return spec if bound == lo else replace(spec, bounds={**spec.bounds, KNOB: (bound, hi)})
+
+
+def slots_raise(knobs: Knobs, spec: Spec, floor: SlotsFloor) -> Choice | None:
+    """The raise of a chunk under which the slots are busier than OVER to the floor (within the
+    operator's bounds), or None."""
+    chunk = knobs.long_prefill_token_threshold
+    if floor.chunk <= chunk or floor.busy_now <= OVER:
+        return None
+    why = (f"the window's {floor.prompts} prompts would keep max_long_partial_prefills "
+           f"({knobs.max_long_partial_prefills}) busy {floor.busy_now:.0%} of the time with {chunk}-token chunks "
+           f"(each prompt longer than the chunk holds a slot for all of its chunks' steps), "
+           f"{floor.busy_at_floor:.0%} with {floor.chunk} (at most {BUSY:.0%})")
+    move = bounded_move(knobs, spec, KNOB, floor.chunk, why)
+    if move is None or move.changes[KNOB] <= chunk:
+        return None
+    return Choice(move, move.reason, {"long_slots_busy": {str(chunk): floor.busy_now,
+                                                          str(floor.chunk): floor.busy_at_floor}})
