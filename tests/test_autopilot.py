@@ -22,7 +22,7 @@ from appliance.server.autopilot_stalls import STARVED
 from appliance.server.autopilot_choice import (LOAD_GROWTH, MARGIN, USED, Choice, Forecast, candidates, choose,
                                               heavier, load_checked, never_reached, pick, weigh)
 from appliance.server.autopilot_requests import ReplaySet, replayable
-from appliance.server.autopilot_slots import BUSY, busy, floored, long_slots_floor, slots_raise
+from appliance.server.autopilot_slots import BUSY, SlotsFloor, busy, floored, long_slots_floor, slots_raise
 from appliance.server.autopilot_policy import (DecodeGaps, Move, SpecError, WindowStats, decide, parse_spec, window_stats,
                                                worst_gaps)
 from appliance.sim.fit import MIN_ROWS, EngineKey, StepTimeModel
@@ -755,14 +755,14 @@ def prompts_in_flight(n: int, tokens: int, t0: float = T0, every_s: float = 0.5)
     return [InFlightRequest(t0 + i * every_s, tokens, 0, 32, None, 0) for i in range(n)]
 
 
-@pytest.mark.parametrize("prompts, floor", [(20, 48), (30, 80), (40, 0)])
+@pytest.mark.parametrize("prompts, floor", [(20, 48), (30, 80), (40, 208)])
 def test_the_long_prefill_slots_set_how_low_the_chunk_goes(prompts, floor):
     # a known engine (stalling_window: its prefill steps ran about 3 decode rows, so one c-token
     # chunk's step takes about 54 ms + 0.5 ms per token) over 10.7 s, and prompts of 200 tokens
     # every 0.25 s, one long-prefill slot: with c-token chunks each holds it ceil(200 / c) steps.
     # 20 prompts: 48-token chunks keep it 73 % busy (at most BUSY, 80 %); 30: 109 % at 48, 96 % at
     # 64, 79 % at 80; 40: no chunk under 200 tokens keeps it under 80 % (the prefill work itself
-    # is more than the time holds): no floor
+    # is more than the time holds): the floor is where no prompt is long
     ap, _ = pilot("ttft_p99=5s,itl_p99=150ms", fixed=FIXED, window_s=300)
     end = stalling_window(ap, chunks=(64, 128))
     its, knobs = list(ap._iterations), Knobs(long_prefill_token_threshold=48)
@@ -770,7 +770,7 @@ def test_the_long_prefill_slots_set_how_low_the_chunk_goes(prompts, floor):
     got = long_slots_floor(its, [], arrived, knobs, FIXED, now=end)
     assert (got.chunk, got.prompts) == (floor, prompts) and BUSY == 0.8
     assert got.busy_now == pytest.approx({20: 0.727, 30: 1.090, 40: 1.453}[prompts], abs=0.001)
-    if floor:
+    if floor < 200:
         assert got.busy_at_floor <= BUSY < long_slots_floor(its, [], arrived, knobs.with_changes(
             {"long_prefill_token_threshold": floor - 16}), FIXED, now=end).busy_now
     assert busy([200] * 4, 200, 1, 0.1, 1) == 0 and busy([200] * 4, 64, 2, 0.1, 1) == pytest.approx(0.8)
@@ -779,12 +779,15 @@ def test_the_long_prefill_slots_set_how_low_the_chunk_goes(prompts, floor):
     assert long_slots_floor(its, [], early, knobs, FIXED, now=end).chunk == 0
     cached = [dataclasses.replace(r, cached_tokens=160) for r in arrived]
     assert long_slots_floor(its, [], cached, knobs, FIXED, now=end).chunk == 16
-    # a cut stops at the floor, or at the chunk in force when it is under it
-    spec = parse_spec("itl_p99=150ms,long_prefill_token_threshold=32..256")
-    if floor:
-        assert floored(spec, Knobs(long_prefill_token_threshold=256), got).bounds[
-            "long_prefill_token_threshold"] == (max(32, floor), 256)
-        assert floored(spec, knobs, got).bounds["long_prefill_token_threshold"] == (48, 256)
+    # a cut stops at the floor, or at the chunk in force when it is under it; and no cut of
+    # max_num_partial_prefills goes down to max_long_partial_prefills (1), where a long prompt in
+    # progress would stop every admission
+    spec = parse_spec("itl_p99=150ms,long_prefill_token_threshold=32..256,max_num_partial_prefills=1..4")
+    wide = floored(spec, Knobs(long_prefill_token_threshold=256, max_num_partial_prefills=4), got).bounds
+    assert wide["long_prefill_token_threshold"] == (max(32, floor), 256)
+    assert wide["max_num_partial_prefills"] == (2, 4)
+    assert floored(spec, knobs, got).bounds["long_prefill_token_threshold"] == (48, 256)
+    assert floored(spec, knobs, SlotsFloor(0)) == spec  # too few prompts to say: the operator's bounds
 
 
 @pytest.mark.parametrize("chunk, raised", [(48, 80), (64, None)])

@@ -36,6 +36,7 @@ from .autopilot_policy import MIN_REQUESTS, Choice, Spec, bounded_move
 from .autopilot_stalls import fit_window, kv_block
 
 KNOB = "long_prefill_token_threshold"
+PREFILLS = "max_num_partial_prefills"
 BUSY = 0.8  # the most of their time the long-prefill slots may be held by the window's prompts after a cut...
 OVER = 1.0  # ...and past which a chunk under the floor is raised to it: the slots cannot keep up
 
@@ -66,9 +67,10 @@ def long_slots_floor(iterations: Sequence[IterationStats], requests: Sequence[Re
     (finished, or `in_flight` at `now`) keep the long-prefill slots busy at most BUSY of the time
     since then; each of a prompt's steps as long as the step-time model fitted on the window
     predicts one chunk beside the decode rows its prefill steps ran on average (a larger chunk
-    takes fewer steps, each longer). 0, no floor: fewer than MIN_REQUESTS such prompts, a window
-    the model cannot be fitted on, or no chunk shorter than the longest prompt that keeps the
-    slots under BUSY (the prefill work itself, not the slots, is then more than the time holds)."""
+    takes fewer steps, each longer; when none shorter than the longest prompt does, the prefill
+    work itself is more than the time holds, and the floor is the chunk under which no prompt is
+    long). 0, no floor: fewer than MIN_REQUESTS such prompts, or a window the model cannot be
+    fitted on."""
     if not iterations:
         return SlotsFloor(0)
     start = iterations[0].started_at
@@ -90,17 +92,27 @@ def long_slots_floor(iterations: Sequence[IterationStats], requests: Sequence[Re
         step_s = model.predict(Composition(round(rows), chunk, 1, round(context))) + model.gap_s
         return busy(prompts, chunk, slots, step_s, span_s)
 
-    block, longest = kv_block(fixed), max(prompts)
-    floor = next((c for c in range(block, longest, block) if share(c) <= BUSY), 0)
-    return SlotsFloor(floor, len(prompts), share(knobs.long_prefill_token_threshold), share(floor) if floor else 0.0)
+    block = kv_block(fixed)
+    floor = next(c for c in range(block, max(prompts) + block, block) if share(c) <= BUSY)  # none is long at the last
+    return SlotsFloor(floor, len(prompts), share(knobs.long_prefill_token_threshold), share(floor))
 
 
 def floored(spec: Spec, knobs: Knobs, floor: SlotsFloor) -> Spec:
     """`spec` with the chunk's lower bound raised to the slots' floor, or to the chunk in force
-    when that is lower (no move of the chunk then goes under either; `slots_raise` lifts it)."""
-    lo, hi = spec.bounds.get(KNOB, (1, 1 << 30))
-    bound = max(lo, min(floor.chunk, knobs.long_prefill_token_threshold, hi))
-    return spec if bound == lo else replace(spec, bounds={**spec.bounds, KNOB: (bound, hi)})
+    when that is lower (no move of the chunk then goes under either; `slots_raise` lifts it); and,
+    while the window's prompts hold the long slots at all, max_num_partial_prefills' lower bound
+    one over max_long_partial_prefills (or the value in force, if lower): at that limit, whenever
+    the long slots are all taken, the engine admits no prompt at all, however short (the limit
+    counts every prompt still prefilling, and the long ones fill it)."""
+    bounds = dict(spec.bounds)
+    lo, hi = bounds.get(KNOB, (1, 1 << 30))
+    bounds[KNOB] = (max(lo, min(floor.chunk, knobs.long_prefill_token_threshold, hi)), hi)
+    if floor.busy_now > 0:
+        lo, hi = bounds.get(PREFILLS, (1, 1 << 30))
+        room = min(knobs.max_long_partial_prefills + 1, knobs.max_num_partial_prefills, hi)
+        bounds[PREFILLS] = (max(lo, room), hi)
+    changed = {name: b for name, b in bounds.items() if spec.bounds.get(name, (1, 1 << 30)) != b}
+    return replace(spec, bounds={**spec.bounds, **changed}) if changed else spec
 
 
 def slots_raise(knobs: Knobs, spec: Spec, floor: SlotsFloor) -> Choice | None:
