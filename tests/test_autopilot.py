@@ -508,8 +508,10 @@ def test_a_raise_of_prefills_at_once_that_would_stall_every_stream_is_barred(per
     # is under twice its target (10 s). At 7 s the queue starves: a raise back to the operator's
     # value (2 at the switch-on, cut to 1 by the autopilot itself) is not barred, and the replays
     # weigh it (None: they may hold); past the operator's value (1 from the start, or set to 1 by
-    # a person's PATCH) it still is. At 0.1 ms per token two chunks cost ~40 ms: the raise goes ahead
-    ap, engine = pilot(f"ttft_p99={ttft_s}s,itl_p99=150ms,max_long_partial_prefills=1..2", fixed=FIXED,
+    # a person's PATCH) it still is. At 0.1 ms per token two chunks cost ~40 ms: the raise goes ahead.
+    # The chunk is held at 64 by its bounds (the long-prefill slots would raise it: another test's)
+    ap, engine = pilot(f"ttft_p99={ttft_s}s,itl_p99=150ms,max_long_partial_prefills=1..2,"
+                       "long_prefill_token_threshold=64..64", fixed=FIXED,
                        window_s=300, long_prefill_token_threshold=64, max_num_partial_prefills=2,
                        max_long_partial_prefills=1 if cut_by is None else 2)
     if cut_by is not None:
@@ -788,6 +790,9 @@ def test_the_long_prefill_slots_set_how_low_the_chunk_goes(prompts, floor):
     assert wide["max_num_partial_prefills"] == (2, 4)
     assert floored(spec, knobs, got).bounds["long_prefill_token_threshold"] == (48, 256)
     assert floored(spec, knobs, SlotsFloor(0)) == spec  # too few prompts to say: the operator's bounds
+    # a raise only for 30 prompts: 20 keep the slots under OVER; for 40 no chunk with a prompt
+    # still long keeps them under BUSY (a larger chunk saves steps' fixed costs, not the queue)
+    assert (slots_raise(knobs, spec, got) is None) is (prompts != 30)
 
 
 @pytest.mark.parametrize("chunk, raised", [(48, 80), (64, None)])

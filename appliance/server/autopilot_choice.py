@@ -10,8 +10,7 @@ already) by more than CALIBRATION: the rules alone decide (the reason says so). 
 cannot run: hold.
 
 First the long-prefill slots (autopilot_slots): a chunk under which the window's prompts would
-hold them longer than there is time is raised (unless the stall bar bars it), and no move of the
-chunk goes under their floor.
+hold them longer than there is time is raised, and no move of the chunk goes under their floor.
 
 Before any replay (`without_replay`, milliseconds: a step-time fit at most): too few finished
 requests to replay, a prefill stall the iterations show, or one the step-time model foresees
@@ -213,19 +212,15 @@ def choose(iterations: Sequence[IterationStats], requests: Sequence[RequestStats
            raised: Mapping[str, int], operator: Mapping[str, Any], in_flight: Sequence[InFlightRequest],
            now: float, *, budget_s: float = BUDGET_S, run: Callable[..., Choice] | None = None) -> Choice:
     """The simulating autopilot's decision: a chunk under which the long-prefill slots cannot
-    keep up with the window's prompts raised, unless the stall bar bars it as any raise of the
-    chunk (autopilot_slots, autopilot_stalls.raise_stalls; no move of the chunk goes under the
-    slots' floor), else `without_replay` where it decides (in the caller's
+    keep up with the window's prompts raised (autopilot_slots; no move of the chunk goes under
+    their floor), else `without_replay` where it decides (in the caller's
     thread: a worker at nice 19 beside a busy engine would wait most of a second for the CPU,
     benchmarks/autopilot.py run 22, where the foreseen cut came just after the first stall), else
     `replayed`, through `run` (the server's: its worker process; default: here). The arguments
     are `without_replay`'s and `replayed`'s."""
     slots = long_slots_floor(iterations, requests, in_flight, knobs, fixed, now)
-    if (up := slots_raise(knobs, spec, slots)) is not None and up.move is not None:
-        ttft_p99 = window_stats(iterations, requests, in_flight=in_flight, now=now).ttft_p99
-        if not raise_stalls(fit_window(iterations, fixed), iterations, requests, knobs, spec, up.move, ttft_p99,
-                            operator):
-            return up
+    if (up := slots_raise(knobs, spec, slots)) is not None:
+        return up
     spec = floored(spec, knobs, slots)
     quick = without_replay(iterations, requests, knobs, spec, fixed, last_raise, kept, raised, in_flight, now)
     if quick is not None:

@@ -17,8 +17,11 @@ steps of a slot over the prompts longer than c, each step as long as the step-ti
 on the window predicts one c-token chunk beside the decode rows its prefill steps ran. The floor is the smallest chunk, in whole KV blocks, under which that is at most
 BUSY of the slots' time since the window started. No cut of the chunk goes under it (`floored`),
 and a chunk under which the slots would be held longer than the time there is (OVER) is raised
-to it at once (`slots_raise`): such slots are a queue that grows for as long as the traffic
-lasts, and every request in it misses TTFT, whatever its stream's gaps.
+to it at once (`slots_raise`), past the stall bar that holds other raises until the queue starves
+(autopilot_stalls.raise_stalls): such slots are a queue that grows for as long as the traffic
+lasts, and every request in it misses TTFT, whatever its stream's gaps (run 106's second way:
+112-token chunks with 900-1000-token prompts in the chat traffic, the slots 153 % busy, and the
+raise to 208 barred until TTFT p99 reached twice its target, 52 s after those prompts began).
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ class SlotsFloor:
     prompts: int = 0
     busy_now: float = 0.0
     busy_at_floor: float = 0.0
+    longest: int = 0  # the longest prompt's uncached tokens: a floor past it is where no prompt is long
 
 
 def busy(prompts: Sequence[int], chunk: int, slots: int, step_s: float, span_s: float) -> float:
@@ -94,7 +98,7 @@ def long_slots_floor(iterations: Sequence[IterationStats], requests: Sequence[Re
 
     block = kv_block(fixed)
     floor = next(c for c in range(block, max(prompts) + block, block) if share(c) <= BUSY)  # none is long at the last
-    return SlotsFloor(floor, len(prompts), share(knobs.long_prefill_token_threshold), share(floor))
+    return SlotsFloor(floor, len(prompts), share(knobs.long_prefill_token_threshold), share(floor), max(prompts))
 
 
 def floored(spec: Spec, knobs: Knobs, floor: SlotsFloor) -> Spec:
@@ -117,9 +121,10 @@ def floored(spec: Spec, knobs: Knobs, floor: SlotsFloor) -> Spec:
 
 def slots_raise(knobs: Knobs, spec: Spec, floor: SlotsFloor) -> Choice | None:
     """The raise of a chunk under which the slots are busier than OVER to the floor (within the
-    operator's bounds), or None."""
+    operator's bounds), or None; none when the floor is where no prompt is long (the prefill work
+    itself is more than the time holds: a larger chunk saves steps' fixed costs, not the queue)."""
     chunk = knobs.long_prefill_token_threshold
-    if floor.chunk <= chunk or floor.busy_now <= OVER:
+    if floor.chunk <= chunk or floor.busy_now <= OVER or floor.chunk >= floor.longest:
         return None
     why = (f"the window's {floor.prompts} prompts would keep max_long_partial_prefills "
            f"({knobs.max_long_partial_prefills}) busy {floor.busy_now:.0%} of the time with {chunk}-token chunks "
