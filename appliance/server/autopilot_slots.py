@@ -36,10 +36,8 @@ from appliance.records import InFlightRequest, IterationStats, RequestStats
 from appliance.sim.fit import Composition, FitError, composition_of
 
 from .autopilot_policy import MIN_REQUESTS, Choice, Spec, bounded_move
-from .autopilot_stalls import fit_window, kv_block
+from .autopilot_stalls import KNOB, PREFILLS, fit_window, kv_block
 
-KNOB = "long_prefill_token_threshold"
-PREFILLS = "max_num_partial_prefills"
 BUSY = 0.8  # the most of their time the long-prefill slots may be held by the window's prompts after a cut...
 OVER = 1.0  # ...and past which a chunk under the floor is raised to it: the slots cannot keep up
 
