@@ -45,9 +45,9 @@ from appliance.sim.replay import CacheShape, ReplayError, ReplayResult, SimReque
 
 from .autopilot_policy import (MIN_REQUESTS, Choice, DecodeGaps, Move, Spec, WindowStats, bounded_move, decide, p99,
                                relaxed, undoes_raise, window_stats)
-from .autopilot_stalls import KNOB as CHUNK
 from .autopilot_requests import ReplaySet, missed_already, replayable
 from .autopilot_slots import floored, long_slots_floor, slots_raise
+from .autopilot_stalls import KNOB as CHUNK
 from .autopilot_stalls import chunk_cut, fit_window, raise_stalls, starves
 
 MARGIN = 0.05  # a candidate must raise the predicted attainment by this share of requests...

@@ -14,8 +14,9 @@ chunk that would drain it were barred as stalls, or came a step at a time).
 `long_slots_floor` counts it from the window's own prompts (finished or in flight, arrived since
 the window started; their uncached tokens): under a chunk of c tokens they need sum(ceil(n / c))
 steps of a slot over the prompts longer than c, each step as long as the step-time model fitted
-on the window predicts one c-token chunk beside the decode rows its prefill steps ran. The floor is the smallest chunk, in whole KV blocks, under which that is at most
-BUSY of the slots' time since the window started. No cut of the chunk goes under it (`floored`),
+on the window predicts one c-token chunk beside the decode rows its prefill steps ran. The floor
+is the smallest chunk, in whole KV blocks, under which that is at most BUSY of the slots' time
+since the window started. No cut of the chunk goes under it (`floored`),
 and a chunk under which the slots would be held longer than the time there is (OVER) is raised
 to it at once (`slots_raise`), past the stall bar that holds other raises until the queue starves
 (autopilot_stalls.raise_stalls): such slots are a queue that grows for as long as the traffic
