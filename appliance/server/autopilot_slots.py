@@ -6,7 +6,7 @@ long prompt into it until that one's last chunk has run. A chunk cut therefore c
 prompts capacity twice: each takes more steps, and prompts that were short (prefilled in their
 step beside any others) become long and queue for the slots. Cut below the length of the traffic's
 prompts, the slots are busier than the arrivals allow and the queue grows for as long as the
-traffic lasts (benchmarks/autopilot.py runs 96-105: chat prompts of 96-256 tokens at 6/s; a
+traffic lasts (benchmarks/autopilot.py runs 103-105: chat prompts of 96-256 tokens at 6/s; a
 stall cut or a foresight cut to 64 tokens, where every chat prompt is long, and TTFT p99 reached
 6-8 s within a minute, 100 % of the queue held by max_long_partial_prefills; the raises of the
 chunk that would drain it were barred as stalls, or came a step at a time).

@@ -224,10 +224,10 @@ def still_in_flight(step: Composition, requests: int) -> Composition | None:
     that came at once then are no sign of the next ones (benchmarks/autopilot.py runs 96-103: each
     second autopilot way, switched on over an idle engine, priced a whole chunk beside the 14-21
     decode rows of a load that had ended a minute before and cut the chunk to 64-112, where most
-    chat and long prompts count as long and wait for the one long-prefill slot; every one of them
-    lost the long prompts' phase to the best fixed setting, mostly on TTFT. Run 104, stopped after
-    its first minute: with the rows cut but not the prompts, 4 whole chunks beside one row, the
-    warm-up's 4 prompts sent at once, cut the chunk 256→64, and chat TTFT p99 reached 6 s)."""
+    chat and long prompts count as long and wait for the one long-prefill slot; all but run 98's
+    lost to the best fixed setting measured beside them, mostly on TTFT in the long prompts'
+    phase. Run 104: with the rows cut but not the prompts, 4 whole chunks beside one row, the
+    warm-up's 4 prompts sent at once, cut the chunk 256→64, and chat TTFT p99 was 6.1 s at +76 s)."""
     rows, prompts = min(step.decode_rows, requests), min(step.prefill_seqs, requests)
     if rows <= 0:
         return None
