@@ -115,7 +115,7 @@ def verified_points(url: str, db: str, requests: list[BenchRequest], slo: SLO, f
     model = whatif.fit_for_run(db, run)
     sim = whatif.workload_requests(requests, None, 0)
     ranked, _ = rank_grid(run, model, GRID.points(), sim, slo, attainment)
-    print(f"ranked {len(ranked)} grid points in simulation at {SLOWER:g}x the step-time model's times "
+    print(f"ranked {len(ranked)} grid points in simulation at the step-time model's times and {SLOWER:g}x them "
           f"(its held-out error {model.heldout_mape:.1%}); measuring the top {verify} live", file=sys.stderr, flush=True)
     result = run_sweep(requests, slo, base_url=url, grid=GRID, points=[p.knobs for p in ranked[:verify]],
                        attainment=attainment, db_url=db, workload="shifting",

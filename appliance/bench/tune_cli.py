@@ -91,7 +91,7 @@ def _simulated_points(args: argparse.Namespace, requests: list, grid: Grid) -> t
     ranked, invalid = rank_grid(run, model, grid.points(), sim_requests, args.slo, args.attainment, args.concurrency)
     if not ranked:
         raise ValueError(f"no valid point in the grid: {invalid[0][1] if invalid else 'empty grid'}")
-    print(f"ranked {len(ranked)} grid points in simulation at {SLOWER:g}x the step-time model's times "
+    print(f"ranked {len(ranked)} grid points in simulation at the step-time model's times and {SLOWER:g}x them "
           f"(its held-out error {model.heldout_mape * 100:.1f} %); measuring the top {min(args.verify, len(ranked))} live",
           file=sys.stderr, flush=True)
     return [p.knobs for p in ranked[: args.verify]], {_label(p.knobs): p.predicted for p in ranked}
