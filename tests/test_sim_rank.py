@@ -44,7 +44,7 @@ def test_a_point_that_keeps_the_slo_only_at_the_models_own_times_ranks_below_one
 def test_where_no_point_keeps_the_slo_the_mean_of_both_replays_ranks_not_the_slower_alone():
     # run 110 of benchmarks/autopilot.py, as predicted within the SLO (share of 1473 requests over
     # 180 s) at the model's times and at 1.2x: past capacity at 1.2x the whole grid fell to 0-6 %;
-    # the first two points measured 11-12 % live, the defaults 48 %
+    # the first two points measured 10.5 and 12.1 % live, the defaults 48 %
     def point(chunk: int, budget: int, at_model: float, at_slower: float) -> RankedPoint:
         def figures(share: float) -> dict[str, float | None]:
             return {"meets_slo": float(share >= 0.9), "attainment": share, "goodput": share * 1473 / 180,
@@ -57,9 +57,11 @@ def test_where_no_point_keeps_the_slo_the_mean_of_both_replays_ranks_not_the_slo
     ranked = sorted(grid, key=lambda p: p.key, reverse=True)
     assert [(p.knobs["long_prefill_token_threshold"], p.knobs["max_num_batched_tokens"]) for p in ranked] == [
         (256, 256), (256, 512), (64, 256)]
-    # meeting the SLO still comes first: at the slower times, then at the model's
-    held, fragile = point(64, 256, 0.92, 0.90), point(256, 256, 0.99, 0.70)
-    assert sorted([fragile, held, *grid], key=lambda p: p.key, reverse=True)[:2] == [held, fragile]
+    # meeting the SLO still comes first: at the slower times, then at the model's, whatever the
+    # mean (steady's 87 % over both beats fragile's 84.5 % and misses the SLO at both)
+    held, fragile, steady = point(64, 256, 0.96, 0.95), point(256, 256, 0.99, 0.70), point(128, 256, 0.89, 0.85)
+    ranked = sorted([steady, fragile, held, *grid], key=lambda p: p.key, reverse=True)
+    assert ranked[:3] == [held, fragile, steady]
 
 
 def test_the_slower_replay_is_the_same_replay_with_every_step_longer():

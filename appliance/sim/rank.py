@@ -1,6 +1,6 @@
 """Rank a tuning grid in simulation (`appliance tune --simulate`): replay the workload at every
-grid point and order the points as the live sweep would choose among them (meeting the SLO
-first, then goodput, then output throughput), so only the top few need measuring live.
+grid point and order the points by the live sweep's rule (meeting the SLO first, then goodput,
+then output throughput) carried over two replays, so only the top few need measuring live.
 
 Each point is replayed twice: at the step-time model's times and at SLOWER times them. Near the
 box's capacity a point's queue turns from short to growing on a few per cent of step time, and the
@@ -9,12 +9,14 @@ same box's runs took 0.92-1.14x the model's mean step times, and `max_num_seqs` 
 chunks (ranked first: predicted 99 % within the SLO at the model's times, 74 % at 1.2x) measured
 59 % (TTFT p99 14 s), where the autopilot's ways at 64 with the same chunk (predicted 98 %, 93 % at
 1.2x) measured 100 % and 99.5 %. So a point that meets the SLO at SLOWER times ranks first, then
-one that meets it at the model's; among the rest the mean goodput of the two replays decides (the
-expected goodput over both speeds). Not the slower replay's alone: past capacity at SLOWER times
+one that meets it at the model's (it meets the SLO if the box runs as the model says; a point
+that misses at both speeds misses it either way, the sweep's "meeting the SLO first" carried
+over two speeds); among the rest the mean goodput of the two replays decides (the expected
+goodput over both speeds). Not the slower replay's alone: past capacity at SLOWER times
 every point's queue grows and the order among them is noise (run 110: the whole grid at 0-6 %
-at 1.2x; 64-token chunks ranked first by their 6 % measured 11-12 % live, where the defaults,
-predicted 41 % at the model's times, measured 48 %). The figures shown beside the live ones are
-the first replay's."""
+at 1.2x; 64-token chunks ranked first by their 6 % measured 10.5 and 12.1 % live, where the
+defaults, predicted 41 % at the model's times, measured 48 %). The figures shown beside the live
+ones are the first replay's."""
 
 from __future__ import annotations
 
@@ -44,8 +46,9 @@ class RankedPoint:
         """Meeting the SLO at SLOWER times, then at the model's, then the two replays' mean
         goodput, then their mean output throughput (see the module docstring)."""
         both = (self.predicted, self.slower)
-        return (bool(self.slower["meets_slo"]), bool(self.predicted["meets_slo"]),
-                sum(p["goodput"] or 0.0 for p in both) / 2, sum(p["output_throughput"] or 0.0 for p in both) / 2)
+        goodput = sum(p["goodput"] or 0.0 for p in both) / 2
+        throughput = sum(p["output_throughput"] or 0.0 for p in both) / 2
+        return bool(self.slower["meets_slo"]), bool(self.predicted["meets_slo"]), goodput, throughput
 
 
 class _Slower:
