@@ -36,8 +36,7 @@ from ..records import InFlightRequest, IterationStats, KnobChange, RequestStats
 from .autopilot_choice import BUDGET_S, choose
 from .autopilot_policy import MIN_REQUESTS, Choice, Move, Spec, decide, window_stats
 from .autopilot_slots import floored, long_slots_floor
-from .autopilot_stalls import KNOB as CHUNK
-from .autopilot_stalls import chunk_cut
+from .autopilot_stalls import KNOB as CHUNK, chunk_cut
 from .autopilot_worker import ChoiceWorker
 
 log = logging.getLogger(__name__)

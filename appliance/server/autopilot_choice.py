@@ -47,8 +47,7 @@ from .autopilot_policy import (MIN_REQUESTS, Choice, DecodeGaps, Move, Spec, Win
                                relaxed, undoes_raise, window_stats)
 from .autopilot_requests import ReplaySet, missed_already, replayable
 from .autopilot_slots import floored, long_slots_floor, slots_raise
-from .autopilot_stalls import KNOB as CHUNK
-from .autopilot_stalls import chunk_cut, fit_window, raise_stalls, starves
+from .autopilot_stalls import KNOB as CHUNK, chunk_cut, fit_window, raise_stalls, starves
 
 MARGIN = 0.05  # a candidate must raise the predicted attainment by this share of requests...
 P99_MARGIN = 0.2  # ...or, at no loss of attainment, cut the worst target's predicted p99 by this share
