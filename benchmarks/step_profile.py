@@ -9,7 +9,7 @@ its parts (perf_counter, inclusive, children subtracted from parents):
 - elementwise: the norms, the rotary embedding of q and k (with their split into heads) and silu * up
 - other forward: the rest of the forward (embedding, rotary tables, the layer loop's Python, the
   LM head's row pick)
-- metadata: the runner's input and attention metadata (Python lists -> tensors), logits to fp32
+- metadata: the runner's input and attention metadata (Python lists -> tensors)
 - sampling, detokenise (incremental detokenizer), scheduling (`Scheduler.schedule`)
 - telemetry: building the iteration record and the sinks' calls (a real SQLite TelemetryWriter
   is attached, as `appliance serve` does; its own thread's work is not in the step)

@@ -115,6 +115,22 @@ def test_elementwise_kernels_match_torch(kernel, dtype, rows):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim", [40, 96])  # half = 20: one 16-lane vector and a scalar tail; half = 48: three vectors
+def test_rotary_on_head_dims_other_than_64(kernel, dtype, dim):
+    gen = torch.Generator().manual_seed(dim)
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    rows, heads = 7, 5
+    qkv = torch.randn(rows, (heads + 1) * dim, generator=gen).to(dtype)
+    angles = torch.rand(rows, dim // 2, generator=gen) * 6
+    cos, sin = torch.cat([angles.cos()] * 2, -1).to(dtype), torch.cat([angles.sin()] * 2, -1).to(dtype)
+    expected = qkv.clone()
+    expected[:, : heads * dim] = fast_llama._rotate(
+        qkv[:, : heads * dim].view(rows, heads, dim), cos.unsqueeze(1), sin.unsqueeze(1)).reshape(rows, -1)
+    kernel.rotary_(qkv, heads, dim, cos, sin)
+    torch.testing.assert_close(qkv, expected, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_silu_mul_and_rms_norm_with_a_partial_last_vector_and_extreme_gates(kernel, dtype):
     # 1000 = 62 whole 16-lane vectors and a tail of 8; gates far past exp's float32 range both ways
     gen = torch.Generator().manual_seed(7)

@@ -2,7 +2,7 @@
 
 import torch
 
-from appliance.engine.sampler import sample
+from appliance.engine.sampler import make_generator, sample
 from appliance.engine.sampling import SamplingParams
 
 
@@ -24,3 +24,18 @@ def test_greedy_matches_argmax_on_a_vocabulary_sized_batch():
     chosen = sample(logits.clone(), [SamplingParams(temperature=0)] * 8, [None] * 8, [[]] * 8)
     assert chosen == torch.argmax(logits, dim=-1).tolist()
     assert chosen[3] == 100
+
+
+def test_bfloat16_logits_pick_what_their_float32_copy_picks():
+    logits = (torch.randn(6, 49152, generator=torch.Generator().manual_seed(1)) * 4).bfloat16()
+    logits[2, 7] = logits[2, 9000] = logits[2].max() + 1  # a tie: the first one wins either way
+    params = [SamplingParams(temperature=0)] * 3 + [SamplingParams(temperature=0.8, top_k=50, top_p=0.9, seed=s)
+                                                    for s in range(3)]
+
+    def seeded() -> list:
+        return [None] * 3 + [make_generator(p.seed, torch.device("cpu")) for p in params[3:]]
+
+    banned = [[], [int(logits[1].float().argmax())], [], [], [], []]
+    chosen = sample(logits.clone(), params, seeded(), banned)
+    assert chosen == sample(logits.float(), params, seeded(), banned)
+    assert chosen[2] == 7 and chosen[1] != banned[1][0]

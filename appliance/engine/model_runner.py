@@ -42,7 +42,7 @@ def kv_cache_spec(loaded: LoadedModel) -> KVCacheSpec:
 
 @dataclass
 class ForwardResult:
-    """Logits (float32) of the rows that need a token this iteration, in schedule order."""
+    """Logits (in the model's dtype) of the rows that need a token this iteration, in schedule order."""
 
     logits: torch.Tensor  # [n, vocab]
     sample_indices: list[int]  # index into SchedulerOutput.scheduled for each logits row
@@ -159,7 +159,7 @@ class ModelRunner:
         else:
             out = self.model(input_ids=ids[None], position_ids=pos[None], use_cache=False, logits_to_keep=keep, paged_meta=meta)
             logits = out.logits[0]
-        return ForwardResult(logits.float(), sample_indices)
+        return ForwardResult(logits, sample_indices)
 
     def _decode_groups(self, tables: list[list[int]], ctx_lens: list[int]) -> list[DecodeGroup]:
         """Block tables and validity masks of the decode rows (longest context first), cut into

@@ -25,10 +25,11 @@ def sample(
     generators: list[torch.Generator | None],
     banned: list[list[int]],
 ) -> list[int]:
-    """Pick one token per row of `logits` ([n, vocab], float32).
+    """Pick one token per row of `logits` ([n, vocab], any float dtype).
 
-    Greedy rows take the argmax. Other rows apply temperature, top-k and top-p and draw with the
-    row's own generator (seeded requests) or the global RNG. `banned[i]` lists token ids row i
+    Greedy rows take the argmax on the logits as they are (a bf16 model's give the same index as
+    their exact float32 copy, without that copy of every row). Other rows apply temperature, top-k
+    and top-p in float32 and draw with the row's own generator (seeded requests) or the global RNG. `banned[i]` lists token ids row i
     may not emit now (EOS/stop ids while min_tokens is unmet).
     """
     for row, ids in enumerate(banned):
@@ -39,7 +40,7 @@ def sample(
     for row, p in enumerate(params):
         if p.greedy:
             continue
-        scores = logits[row] / p.temperature
+        scores = logits[row].float() / p.temperature
         if p.top_k > 0 and p.top_k < scores.numel():
             kth = torch.topk(scores, p.top_k).values[-1]
             scores = scores.masked_fill(scores < kth, -math.inf)

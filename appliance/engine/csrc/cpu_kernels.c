@@ -6,8 +6,8 @@
  *   16-float vectors (head_dim a multiple of 16). Each 16 tokens' scores of a query head are
  *   folded into one vector (transpose_sum16) and exponentiated together (exp16).
  * - rms_norm_*, rotary_*, silu_mul_*: the llama layer's elementwise work, one pass each where
- *   torch needs five to eight kernels (and as many passes over memory); silu_mul in 16-float
- *   vectors with exp16.
+ *   torch needs five to eight kernels (and as many passes over memory), in 16-float vectors;
+ *   silu_mul with exp16 and recip16.
  *
  * Every function exists for float32 and bfloat16 tensors; arithmetic is float32 throughout. The
  * last argument is the thread count (torch's, which the caller passes: OpenMP's own default is
@@ -158,8 +158,34 @@ static inline __attribute__((always_inline)) v16f exp16(v16f x) {
 #endif
 }
 
+/* 1 / d: AVX-512's 14-bit reciprocal and one Newton step (relative error about 1e-7, where a
+ * vector divide costs several times the rest of silu's lanes); a divide elsewhere. */
+static inline __attribute__((always_inline)) v16f recip16(v16f d) {
+#ifdef __AVX512F__
+    const v16f r = (v16f)_mm512_rcp14_ps((__m512)d);
+    return r * (2.f - d * r);
+#else
+    return 1.f / d;
+#endif
+}
+
 static inline __attribute__((always_inline)) void store16_f32(float *p, v16f v) { memcpy(p, &v, sizeof v); }
 
+#ifdef __AVX512BF16__
+/* v rounded to bfloat16 in one instruction (nearest even, NaN kept quiet; unlike f32_to_bf16 it
+ * flushes denormals, under 1.2e-38, to zero). */
+static inline __attribute__((always_inline)) __m256i bf16_halves16(v16f v) {
+    return (__m256i)_mm512_cvtneps_pbh((__m512)v);
+}
+
+static inline __attribute__((always_inline)) v16u bf16_bits16(v16f v) {
+    return (v16u)_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_halves16(v)), 16);
+}
+
+static inline __attribute__((always_inline)) void store16_bf16(bf16_t *p, v16f v) {
+    _mm256_storeu_si256((__m256i *)p, bf16_halves16(v));
+}
+#else
 /* v rounded to bfloat16 as f32_to_bf16 does (nearest even, NaN kept quiet), as float32 bits. */
 static inline __attribute__((always_inline)) v16u bf16_bits16(v16f v) {
     v16u bits;
@@ -175,6 +201,7 @@ static inline __attribute__((always_inline)) void store16_bf16(bf16_t *p, v16f v
     const v16h h = __builtin_convertvector(bf16_bits16(v) >> 16, v16h);
     memcpy(p, &h, sizeof h);
 }
+#endif
 
 static inline __attribute__((always_inline)) v16f round16_f32(v16f v) { return v; }
 
@@ -364,18 +391,24 @@ DEFINE_SCORE(bf16, bf16_t)
     }
 
 /* In place on the first `heads` heads of every row: x * cos + rotate_half(x) * sin, with
- * rotate_half(x) = cat(-x[half:], x[:half]) and cos/sin [rows, dim] (each half repeated). */
-#define DEFINE_ROTARY(NAME, T, LOAD, STORE)                                                          \
+ * rotate_half(x) = cat(-x[half:], x[:half]) and cos/sin [rows, dim] (each half repeated); 16
+ * lanes of each half at a time, then a scalar tail (a half that is not a whole number of vectors). */
+#define DEFINE_ROTARY(NAME, T, LOAD, STORE, SUFFIX)                                                  \
     void NAME(T *x, int64_t rows, int64_t row_stride, int64_t heads, int64_t dim, const T *cos,     \
               const T *sin, int64_t threads) {                                                       \
-        const int64_t half = dim / 2;                                                                \
+        const int64_t half = dim / 2, whole = half - half % LANES;                                   \
         _Pragma("omp parallel for if (rows * heads * dim >= PAR_MIN_ELEMS) num_threads(threads)")     \
         for (int64_t r = 0; r < rows; r++) {                                                         \
             const T *c = cos + r * dim, *s = sin + r * dim;                                          \
             for (int64_t h = 0; h < heads; h++) {                                                    \
                 T *v = x + r * row_stride + h * dim;                                                 \
-                _Pragma("omp simd")                                                                  \
-                for (int64_t d = 0; d < half; d++) {                                                 \
+                for (int64_t d = 0; d < whole; d += LANES) {                                         \
+                    const v16f a = load16_##SUFFIX(v + d), b = load16_##SUFFIX(v + d + half);       \
+                    store16_##SUFFIX(v + d, a * load16_##SUFFIX(c + d) - b * load16_##SUFFIX(s + d)); \
+                    store16_##SUFFIX(v + d + half,                                                   \
+                                     b * load16_##SUFFIX(c + d + half) + a * load16_##SUFFIX(s + d + half)); \
+                }                                                                                    \
+                for (int64_t d = whole; d < half; d++) {                                             \
                     const float a = LOAD(v[d]), b = LOAD(v[d + half]);                               \
                     v[d] = STORE(a * LOAD(c[d]) - b * LOAD(s[d]));                                   \
                     v[d + half] = STORE(b * LOAD(c[d + half]) + a * LOAD(s[d + half]));              \
@@ -394,7 +427,7 @@ DEFINE_SCORE(bf16, bf16_t)
             int64_t d = 0;                                                                           \
             for (; d + LANES <= inter; d += LANES) {                                                 \
                 const v16f x = load16_##SUFFIX(g + d);                                               \
-                const v16f silu = round16_##SUFFIX(x / (1.f + exp16((v16f){0} - x)));                \
+                const v16f silu = round16_##SUFFIX(x * recip16(1.f + exp16((v16f){0} - x)));          \
                 store16_##SUFFIX(o + d, silu * load16_##SUFFIX(u + d));                              \
             }                                                                                        \
             for (; d < inter; d++) { /* exp clamped as exp16's: -ffast-math assumes no infinities */  \
@@ -408,8 +441,8 @@ DEFINE_PAGED_DECODE(paged_decode_f32, float, f32, F32_STORE)
 DEFINE_PAGED_DECODE(paged_decode_bf16, bf16_t, bf16, f32_to_bf16)
 DEFINE_RMS_NORM(rms_norm_f32, float, F32_LOAD, F32_STORE, F32_ROUND, f32)
 DEFINE_RMS_NORM(rms_norm_bf16, bf16_t, bf16_to_f32, f32_to_bf16, BF16_ROUND, bf16)
-DEFINE_ROTARY(rotary_f32, float, F32_LOAD, F32_STORE)
-DEFINE_ROTARY(rotary_bf16, bf16_t, bf16_to_f32, f32_to_bf16)
+DEFINE_ROTARY(rotary_f32, float, F32_LOAD, F32_STORE, f32)
+DEFINE_ROTARY(rotary_bf16, bf16_t, bf16_to_f32, f32_to_bf16, bf16)
 DEFINE_SILU_MUL(silu_mul_f32, float, F32_LOAD, F32_STORE, F32_ROUND, f32)
 DEFINE_SILU_MUL(silu_mul_bf16, bf16_t, bf16_to_f32, f32_to_bf16, BF16_ROUND, bf16)
 
