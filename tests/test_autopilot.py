@@ -22,7 +22,7 @@ from appliance.server.autopilot_stalls import STARVED
 from appliance.server.autopilot_choice import (LOAD_GROWTH, MARGIN, USED, Choice, Forecast, candidates, choose,
                                               heavier, load_checked, never_reached, pick, weigh)
 from appliance.server.autopilot_requests import ReplaySet, replayable
-from appliance.server.autopilot_slots import BUSY, SlotsFloor, busy, floored, long_slots_floor, slots_raise
+from appliance.server.autopilot_slots import BUSY, SlotsFloor, busy, floored, long_slots_floor, slot_seconds, slots_raise
 from appliance.server.autopilot_policy import (DecodeGaps, Move, SpecError, WindowStats, decide, parse_spec, window_stats,
                                                worst_gaps)
 from appliance.sim.fit import MIN_ROWS, EngineKey, StepTimeModel
@@ -757,25 +757,33 @@ def prompts_in_flight(n: int, tokens: int, t0: float = T0, every_s: float = 0.5)
     return [InFlightRequest(t0 + i * every_s, tokens, 0, 32, None, 0) for i in range(n)]
 
 
-@pytest.mark.parametrize("prompts, floor", [(20, 48), (30, 80), (40, 208)])
+@pytest.mark.parametrize("prompts, floor", [(20, 48), (36, 80), (60, 208)])
 def test_the_long_prefill_slots_set_how_low_the_chunk_goes(prompts, floor):
-    # a known engine (stalling_window: its prefill steps ran about 3 decode rows, so one c-token
-    # chunk's step takes about 54 ms + 0.5 ms per token) over 10.7 s, and prompts of 200 tokens
-    # every 0.25 s, one long-prefill slot: with c-token chunks each holds it ceil(200 / c) steps.
-    # 20 prompts: 48-token chunks keep it 73 % busy (at most BUSY, 80 %); 30: 109 % at 48, 96 % at
-    # 64, 79 % at 80; 40: no chunk under 200 tokens keeps it under 80 % (the prefill work itself
-    # is more than the time holds): the floor is where no prompt is long
+    # a known engine (stalling_window: its prefill steps ran about 3 decode rows, so a step with
+    # one c-token chunk takes about 54 ms + 0.5 ms per token, 10 ms more for a second prompt's
+    # chunk) over 10.7 s, and prompts of 200 tokens every 0.25 s, one long-prefill slot: with
+    # c-token chunks each holds it ceil(200 / c) - 1 steps, and its last chunk adds 10 ms + 0.5 ms
+    # per token to the next one's first step (48: 4 x 78 ms + 14 ms = 326 ms). 20 prompts:
+    # 48-token chunks keep it 61 % busy (at most BUSY, 80 %); 36: 109 % at 48, 91 % at 64, 73 % at
+    # 80; 60: no chunk under 200 tokens keeps it under 80 % (the prefill work itself is more than
+    # the time holds): the floor is where no prompt is long
     ap, _ = pilot("ttft_p99=5s,itl_p99=150ms", fixed=FIXED, window_s=300)
     end = stalling_window(ap, chunks=(64, 128))
     its, knobs = list(ap._iterations), Knobs(long_prefill_token_threshold=48)
     arrived = prompts_in_flight(prompts, 200, every_s=0.25)
     got = long_slots_floor(its, [], arrived, knobs, FIXED, now=end)
     assert (got.chunk, got.prompts) == (floor, prompts) and BUSY == 0.8
-    assert got.busy_now == pytest.approx({20: 0.727, 30: 1.090, 40: 1.453}[prompts], abs=0.001)
+    assert got.busy_now == pytest.approx({20: 0.607, 36: 1.093, 60: 1.822}[prompts], abs=0.001)
     if floor < 200:
         assert got.busy_at_floor <= BUSY < long_slots_floor(its, [], arrived, knobs.with_changes(
             {"long_prefill_token_threshold": floor - 16}), FIXED, now=end).busy_now
-    assert busy([200] * 4, 200, 1, 0.1, 1) == 0 and busy([200] * 4, 64, 2, 0.1, 1) == pytest.approx(0.8)
+    # a prompt within the chunk holds no slot; one of 200 tokens holds it 3 steps with 64-token
+    # chunks and its last 8 tokens add to the step after (a fixed step: nothing; a step that costs
+    # 10 ms per prompt and 1 ms per token: 18 ms)
+    assert busy([200] * 4, 200, 1, lambda tokens, seqs: 0.1, 1) == 0
+    assert busy([200] * 4, 64, 2, lambda tokens, seqs: 0.1, 1) == pytest.approx(0.6)
+    assert slot_seconds(200, 64, lambda tokens, seqs: 0.05 + 0.001 * tokens + 0.01 * seqs) == pytest.approx(
+        3 * 0.124 + 0.018)
     # prompts from before the window hold no slot in it, nor do their cached tokens
     early = prompts_in_flight(prompts, 200, t0=T0 - 30)
     assert long_slots_floor(its, [], early, knobs, FIXED, now=end).chunk == 0
@@ -790,19 +798,19 @@ def test_the_long_prefill_slots_set_how_low_the_chunk_goes(prompts, floor):
     assert wide["max_num_partial_prefills"] == (2, 4)
     assert floored(spec, knobs, got).bounds["long_prefill_token_threshold"] == (48, 256)
     assert floored(spec, knobs, SlotsFloor(0)) == spec  # too few prompts to say: the operator's bounds
-    # a raise only for 30 prompts: 20 keep the slots under OVER; for 40 no chunk with a prompt
+    # a raise only for 36 prompts: 20 keep the slots under OVER; for 60 no chunk with a prompt
     # still long keeps them under BUSY (a larger chunk saves steps' fixed costs, not the queue)
-    assert (slots_raise(knobs, spec, got) is None) is (prompts != 30)
+    assert (slots_raise(knobs, spec, got) is None) is (prompts != 36)
 
 
 @pytest.mark.parametrize("chunk, raised", [(48, 80), (64, None)])
 def test_a_chunk_under_which_the_long_prefill_slots_cannot_keep_up_is_raised(chunk, raised):
-    # as above with 30 prompts in flight (and the window's 2 finished ones, short): 48-token
+    # as above with 36 prompts in flight (and the window's 2 finished ones, short): 48-token
     # chunks would hold the slot 109 % of the time, past OVER
-    # (the queue only grows): raised at once to the floor, 80 (79 %). 64-token ones, 96 %: under
+    # (the queue only grows): raised at once to the floor, 80 (73 %). 64-token ones, 91 %: under
     # OVER, the chunk stays (no cut goes lower)
     ap, engine = pilot("ttft_p99=5s,itl_p99=150ms", fixed=FIXED, window_s=300, long_prefill_token_threshold=chunk,
-                       in_flight=lambda: prompts_in_flight(30, 200, every_s=0.25))
+                       in_flight=lambda: prompts_in_flight(36, 200, every_s=0.25))
     end = stalling_window(ap, chunks=(64, 128))
     move = ap.tick(end)
     if raised is None:
@@ -811,20 +819,20 @@ def test_a_chunk_under_which_the_long_prefill_slots_cannot_keep_up_is_raised(chu
         return
     assert move is not None and engine.knobs.long_prefill_token_threshold == raised
     last = ap.view()["moves"][-1]
-    assert last["reason"] == ("long_prefill_token_threshold 48→80: the window's 32 prompts would keep "
-                              "max_long_partial_prefills (1) busy 109% of the time with 48-token chunks (each prompt "
-                              "longer than the chunk holds a slot for all of its chunks' steps), 79% with 80 "
-                              "(at most 80%)")
-    assert last["prediction"]["long_slots_busy"] == {"48": pytest.approx(1.09, abs=0.001),
-                                                     "80": pytest.approx(0.788, abs=0.001)}
+    assert last["reason"] == ("long_prefill_token_threshold 48→80: the window's 38 prompts would keep "
+                              "max_long_partial_prefills (1) busy 109% of the time with 48-token chunks (a prompt "
+                              "holds a slot while more than a chunk of it is left), 73% with 80 (at most 80%)")
+    assert last["prediction"]["long_slots_busy"] == {"48": pytest.approx(1.093, abs=0.001),
+                                                     "80": pytest.approx(0.731, abs=0.001)}
 
 
-@pytest.mark.parametrize("prompts, chunk", [(0, 160), (30, None)])
+@pytest.mark.parametrize("prompts, chunk", [(0, 160), (36, None)])
 def test_a_stall_cut_stops_where_the_long_prefill_slots_would_not_keep_up(prompts, chunk):
-    # as the 150 ms case above (a cut to 160), with the window's prompts in flight: 30 of 350
-    # tokens over its 21 s, prefill steps of about 0.23 s: 160-token chunks would hold the one
-    # long-prefill slot 3 steps each, 100 % of the time, 176-token ones 2 steps, 67 %. The cut
-    # stops at 176, which the model predicts at 151 ms even at the median: nothing is cut
+    # as the 150 ms case above (a cut to 160), with the window's prompts in flight: 36 of 350
+    # tokens over its 11.8 s: 160-token chunks would hold the one long-prefill slot 2 steps each
+    # (the last 30 tokens adding to the next prompt's first step), 90 % of the time; 176-token
+    # ones 1 step (174 tokens added), 73 %. The cut stops at 176, which the model predicts at
+    # 151 ms even at the median: nothing is cut
     ap, engine = pilot("ttft_p99=5s,itl_p99=150ms,long_prefill_token_threshold=32..256", fixed=FIXED,
                        window_s=300, long_prefill_token_threshold=256,
                        in_flight=lambda: prompts_in_flight(prompts, 350))

@@ -1,10 +1,11 @@
 """The long-prefill slots: how low the chunk may go for the prompts the window brought.
 
-A prompt longer than the chunk (long_prefill_token_threshold) is prefilled a chunk per step and
-holds one of max_long_partial_prefills slots for all of those steps: the engine admits no other
-long prompt into it until that one's last chunk has run. A chunk cut therefore costs the long
-prompts capacity twice: each takes more steps, and prompts that were short (prefilled in their
-step beside any others) become long and queue for the slots. Cut below the length of the traffic's
+A prompt is long while more than a chunk (long_prefill_token_threshold) of it is left to prefill:
+it runs a chunk per step and holds one of max_long_partial_prefills slots for those steps; the
+engine admits no other long prompt into the slot until only its last chunk is left, which runs in
+the step that starts the next long prompt. A chunk cut therefore costs the long prompts capacity
+twice: each holds its slot for more steps, and prompts that were short (prefilled in their step
+beside any others) become long and queue for the slots. Cut below the length of the traffic's
 prompts, the slots are busier than the arrivals allow and the queue grows for as long as the
 traffic lasts (benchmarks/autopilot.py runs 103-105: chat prompts of 96-256 tokens at 6/s; a
 stall cut or a foresight cut to 64 tokens, where every chat prompt is long, and TTFT p99 reached
@@ -12,12 +13,15 @@ stall cut or a foresight cut to 64 tokens, where every chat prompt is long, and 
 chunk that would drain it were barred as stalls, or came a step at a time).
 
 `long_slots_floor` counts it from the window's own prompts (finished or in flight, arrived since
-the window started; their uncached tokens): under a chunk of c tokens they need sum(ceil(n / c))
-steps of a slot over the prompts longer than c, each step as long as the step-time model fitted
-on the window predicts one c-token chunk beside the decode rows its prefill steps ran. The floor
-is the smallest chunk, in whole KV blocks, under which that is at most BUSY of the slots' time
-since the window started. No cut of the chunk goes under it (`floored`),
-and a chunk under which the slots would be held longer than the time there is (OVER) is raised
+the window started; their uncached tokens): under a chunk of c tokens a prompt of n > c tokens
+holds a slot for ceil(n / c) - 1 steps of a c-token chunk, and its last chunk adds what it costs
+to the next one's first step (`slot_seconds`), each step as long as the step-time model fitted on
+the window predicts beside the decode rows its prefill steps ran (until run 113 every chunk was
+priced as a whole step of its own: run 113's first way read 106 % busy with 80-token chunks
+where this count gives 80 % and the window's prefill steps took 81 % of its time, and the raises
+that followed cost the chat phases their ITL). The floor is the smallest chunk, in whole KV
+blocks, under which that is at most BUSY of the slots' time since the window started. No cut of
+the chunk goes under it (`floored`), and a chunk under which the slots would be held longer than the time there is (OVER) is raised
 to it at once (`slots_raise`), past the stall bar that holds other raises until the queue starves
 (autopilot_stalls.raise_stalls): such slots are a queue that grows for as long as the traffic
 lasts, and every request in it misses TTFT, whatever its stream's gaps (run 106's second way:
@@ -27,8 +31,7 @@ raise to 208 barred until TTFT p99 reached twice its target, 52 s after those pr
 
 from __future__ import annotations
 
-import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -55,11 +58,24 @@ class SlotsFloor:
     longest: int = 0  # the longest prompt's uncached tokens: a floor past it is where no prompt is long
 
 
-def busy(prompts: Sequence[int], chunk: int, slots: int, step_s: float, span_s: float) -> float:
+StepTime = Callable[[int, int], float]  # (prefill tokens, prompts prefilled) -> a step's seconds
+
+
+def slot_seconds(n: int, chunk: int, step_s: StepTime) -> float:
+    """How long a prompt of `n` uncached tokens holds a long-prefill slot with `chunk`-token
+    chunks (0: it is never long): ceil(n / chunk) - 1 steps of a whole chunk, then what its last
+    chunk adds to the step that starts the next long prompt (the engine counts a prompt as long
+    while more than a chunk of it is left)."""
+    if n <= chunk:
+        return 0.0
+    held = -(-n // chunk) - 1
+    return held * step_s(chunk, 1) + step_s(chunk + n - held * chunk, 2) - step_s(chunk, 1)
+
+
+def busy(prompts: Sequence[int], chunk: int, slots: int, step_s: StepTime, span_s: float) -> float:
     """The share of `slots` long-prefill slots' time over `span_s` that `prompts` (uncached
-    tokens each) hold with `chunk`-token chunks, each step `step_s` long."""
-    steps = sum(math.ceil(n / chunk) for n in prompts if n > chunk)
-    return steps * step_s / (max(1, slots) * span_s)
+    tokens each) hold with `chunk`-token chunks (`slot_seconds`)."""
+    return sum(slot_seconds(n, chunk, step_s) for n in prompts) / (max(1, slots) * span_s)
 
 
 def long_slots_floor(iterations: Sequence[IterationStats], requests: Sequence[RequestStats],
@@ -69,7 +85,7 @@ def long_slots_floor(iterations: Sequence[IterationStats], requests: Sequence[Re
     step-time model), under which the prompts that arrived since the window's first iteration
     (finished, or `in_flight` at `now`) keep the long-prefill slots busy at most BUSY of the time
     since then; each of a prompt's steps as long as the step-time model fitted on the window
-    predicts one chunk beside the decode rows its prefill steps ran on average (a larger chunk
+    predicts beside the decode rows its prefill steps ran on average (`slot_seconds`; a larger chunk
     takes fewer steps, each longer; when none shorter than the longest prompt does, the prefill
     work itself is more than the time holds, and the floor is the chunk under which no prompt is
     long). 0, no floor: fewer than MIN_REQUESTS such prompts, or a window the model cannot be
@@ -91,8 +107,10 @@ def long_slots_floor(iterations: Sequence[IterationStats], requests: Sequence[Re
     context = sum(c.decode_context_tokens for c in prefilling) / len(prefilling)
     slots, span_s = knobs.max_long_partial_prefills, end - start
 
+    def step_s(tokens: int, seqs: int) -> float:
+        return model.predict(Composition(round(rows), tokens, seqs, round(context))) + model.gap_s
+
     def share(chunk: int) -> float:
-        step_s = model.predict(Composition(round(rows), chunk, 1, round(context))) + model.gap_s
         return busy(prompts, chunk, slots, step_s, span_s)
 
     block = kv_block(fixed)
@@ -127,7 +145,7 @@ def slots_raise(knobs: Knobs, spec: Spec, floor: SlotsFloor) -> Choice | None:
         return None
     why = (f"the window's {floor.prompts} prompts would keep max_long_partial_prefills "
            f"({knobs.max_long_partial_prefills}) busy {floor.busy_now:.0%} of the time with {chunk}-token chunks "
-           f"(each prompt longer than the chunk holds a slot for all of its chunks' steps), "
+           f"(a prompt holds a slot while more than a chunk of it is left), "
            f"{floor.busy_at_floor:.0%} with {floor.chunk} (at most {BUSY:.0%})")
     move = bounded_move(knobs, spec, KNOB, floor.chunk, why)
     if move is None or move.changes[KNOB] <= chunk:
