@@ -29,8 +29,9 @@ def sample(
 
     Greedy rows take the argmax on the logits as they are (a bf16 model's give the same index as
     their exact float32 copy, without that copy of every row). Other rows apply temperature, top-k
-    and top-p in float32 and draw with the row's own generator (seeded requests) or the global RNG. `banned[i]` lists token ids row i
-    may not emit now (EOS/stop ids while min_tokens is unmet).
+    and top-p in float32 and draw with the row's own generator (seeded requests) or the global
+    RNG. `banned[i]` lists token ids row i may not emit now (EOS/stop ids while min_tokens is
+    unmet).
     """
     for row, ids in enumerate(banned):
         if ids:

@@ -21,12 +21,13 @@ priced as a whole step of its own: run 113's first way read 106 % busy with 80-t
 where this count gives 80 % and the window's prefill steps took 81 % of its time, and the raises
 that followed cost the chat phases their ITL). The floor is the smallest chunk, in whole KV
 blocks, under which that is at most BUSY of the slots' time since the window started. No cut of
-the chunk goes under it (`floored`), and a chunk under which the slots would be held longer than the time there is (OVER) is raised
-to it at once (`slots_raise`), past the stall bar that holds other raises until the queue starves
-(autopilot_stalls.raise_stalls): such slots are a queue that grows for as long as the traffic
-lasts, and every request in it misses TTFT, whatever its stream's gaps (run 106's second way:
-112-token chunks with 900-1000-token prompts in the chat traffic, the slots 153 % busy, and the
-raise to 208 barred until TTFT p99 reached twice its target, 52 s after those prompts began).
+the chunk goes under it (`floored`), and a chunk under which the slots would be held longer than
+the time there is (OVER) is raised to it at once (`slots_raise`), past the stall bar that holds
+other raises until the queue starves (autopilot_stalls.raise_stalls): such slots are a queue that
+grows for as long as the traffic lasts, and every request in it misses TTFT, whatever its
+stream's gaps (run 106's second way: 112-token chunks with 900-1000-token prompts in the chat
+traffic, the slots 153 % busy, and the raise to 208 barred until TTFT p99 reached twice its
+target, 52 s after those prompts began).
 """
 
 from __future__ import annotations
@@ -84,12 +85,11 @@ def long_slots_floor(iterations: Sequence[IterationStats], requests: Sequence[Re
     """The smallest chunk, in whole KV blocks (`fixed`: the engine's settings, which also key the
     step-time model), under which the prompts that arrived since the window's first iteration
     (finished, or `in_flight` at `now`) keep the long-prefill slots busy at most BUSY of the time
-    since then; each of a prompt's steps as long as the step-time model fitted on the window
-    predicts beside the decode rows its prefill steps ran on average (`slot_seconds`; a larger chunk
-    takes fewer steps, each longer; when none shorter than the longest prompt does, the prefill
-    work itself is more than the time holds, and the floor is the chunk under which no prompt is
-    long). 0, no floor: fewer than MIN_REQUESTS such prompts, or a window the model cannot be
-    fitted on."""
+    since then (`slot_seconds`), each step as long as the step-time model fitted on the window
+    predicts beside the decode rows its prefill steps ran on average (a larger chunk takes fewer
+    steps, each longer; when none shorter than the longest prompt does, the prefill work itself is
+    more than the time holds, and the floor is the chunk under which no prompt is long). 0, no
+    floor: fewer than MIN_REQUESTS such prompts, or a window the model cannot be fitted on."""
     if not iterations:
         return SlotsFloor(0)
     start = iterations[0].started_at
