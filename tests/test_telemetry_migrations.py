@@ -5,6 +5,7 @@ from __future__ import annotations
 import sqlite3
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -189,6 +190,28 @@ def test_concurrent_upgrades_of_one_file_all_succeed(url: str) -> None:
     errors = [p.communicate(timeout=120)[1] for p in procs if p.wait(timeout=120) != 0]
     assert errors == []
     assert store.current(url) == store.head()
+
+
+def test_an_upgrade_waits_for_another_migration_past_the_engines_busy_timeout(url: str) -> None:
+    # The CI machine, loaded, once failed the test above: a process waited at BEGIN IMMEDIATE
+    # longer than the store's 5 s busy timeout while another ran the migrations ("database is
+    # locked"). Here another connection holds the write lock 10x an engine's busy timeout; the
+    # upgrade through that engine waits for it (MIGRATION_WAIT_MS), then migrates.
+    store.upgrade(url, "0001")
+    engine = store.make_engine(url, busy_timeout_ms=50)
+    holder = sqlite3.connect(url.removeprefix("sqlite:///"), isolation_level=None, check_same_thread=False)
+    holder.execute("BEGIN IMMEDIATE")
+    release = threading.Timer(0.5, holder.commit)
+    release.start()
+    try:
+        store.upgrade(engine)
+        assert store.current(engine) == store.head()
+        with engine.connect() as conn:  # the pooled connection has the engine's own timeout again
+            assert conn.exec_driver_sql("PRAGMA busy_timeout").scalar() == 50
+    finally:
+        release.join()
+        holder.close()
+        engine.dispose()
 
 
 def test_binding_counters_migration_keeps_rows_and_reads_zero(url: str, tmp_path: Path) -> None:

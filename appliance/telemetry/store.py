@@ -27,6 +27,9 @@ from appliance.telemetry.models import Base
 DEFAULT_URL = "sqlite:///appliance.db"
 MIGRATIONS_DIR = Path(appliance.__file__).resolve().parents[1] / "migrations"
 DEFAULT_BUSY_TIMEOUT_MS = 5000
+# How long an upgrade waits for another process's migration to release an SQLite store: it holds
+# the write lock for the whole upgrade, which on a loaded machine outlasts the busy timeout above.
+MIGRATION_WAIT_MS = 120_000
 # Serializes concurrent upgrades of one PostgreSQL store (any constant shared by all processes).
 _PG_MIGRATION_LOCK = 0x6170706C  # "appl"
 # Alembic's `context` proxy is process-global: one migration command at a time per process.
@@ -114,11 +117,27 @@ def _migration_connection(target: str | Engine) -> Iterator[tuple[Config, Connec
         url = engine.url.render_as_string(hide_password=False)
         cfg = _config(url)
         with engine.connect().execution_options(sqlite_begin="IMMEDIATE") as conn:
-            with conn.begin():
+            with _sqlite_wait(conn, MIGRATION_WAIT_MS), conn.begin():
                 if conn.dialect.name == "postgresql":
                     conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": _PG_MIGRATION_LOCK})
                 cfg.attributes["connection"] = conn
                 yield cfg, conn
+
+
+@contextmanager
+def _sqlite_wait(conn: Connection, wait_ms: int) -> Iterator[None]:
+    """On SQLite, `conn` waits up to `wait_ms` for a lock while inside (its busy timeout set on the
+    driver's connection, outside any transaction, and restored afterwards for the pool)."""
+    if conn.dialect.name != "sqlite":
+        yield
+        return
+    raw = conn.connection.driver_connection
+    previous = raw.execute("PRAGMA busy_timeout").fetchone()[0]
+    raw.execute(f"PRAGMA busy_timeout = {int(wait_ms)}")
+    try:
+        yield
+    finally:
+        raw.execute(f"PRAGMA busy_timeout = {int(previous)}")
 
 
 def upgrade(url: str | Engine = DEFAULT_URL, revision: str = "head") -> None:
