@@ -126,7 +126,9 @@ class IterationStats:
                                     unit="tokens", label="from cache", rollup=True)
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The fields by name (all scalars: dataclasses.asdict's deep copy took ~25 us a
+        row: most of the autopilot's slots count over a window of ~900 steps)."""
+        return dict(vars(self))
 
 
 @dataclass(frozen=True)
@@ -147,7 +149,9 @@ class RequestStats:
     cached_tokens: int = metric("prompt tokens served from the prefix cache at its first admission", unit="tokens")
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The fields by name (all scalars: dataclasses.asdict's deep copy took ~25 us a
+        row)."""
+        return dict(vars(self))
 
 
 @dataclass(frozen=True)
