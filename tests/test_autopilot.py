@@ -616,6 +616,45 @@ def test_a_raise_of_the_chunk_that_would_stall_every_stream_is_barred(chunk, bar
                    "(held-out error 0%; ITL target 200 ms)")
 
 
+@pytest.mark.parametrize("budget, ttft_s, barred", [(160, 1.9, False), (256, 1.9, True), (256, 2.5, False),
+                                                     (640, 2.5, True)])
+def test_a_raise_of_the_token_budget_that_would_stall_every_stream_is_barred(budget, ttft_s, barred):
+    # the window's steps carried 3 prompts' prefill beside 4 decode rows, 64-token chunks: a
+    # 160-token budget lets 156 prefill tokens into such a step (277 ms at the p99 of the fit's
+    # spread, under a 300 ms target), 256 lets all three chunks in (330 ms): barred, but not while
+    # the queue starves (TTFT p99 at twice its 1 s target) up to the operator's 512; past that,
+    # barred even then
+    from appliance.server.autopilot_stalls import raise_stalls
+
+    model = replace(true_engine(prefill_tokens=0.001), noise=(0.8, 1.0, 1.5))
+    step = replace(iteration(T0, decode=4), decode_seqs=4, decode_context_tokens=1000, prefill_seqs=3,
+                   prefill_tokens=120)
+    knobs = Knobs(max_num_batched_tokens=128, long_prefill_token_threshold=64, max_num_partial_prefills=4)
+    prompts = [dataclasses.replace(request(T0, ttft_s), prompt_tokens=600)]
+    why = raise_stalls(model, [step], prompts, knobs, parse_spec("ttft_p99=1s,itl_p99=300ms"),
+                       Move({"max_num_batched_tokens": budget}, "TTFT"), ttft_s,
+                       operator={"max_num_batched_tokens": 512})
+    if not barred:
+        assert why is None
+    else:
+        assert why.startswith(f"max_num_batched_tokens 128→{budget} barred: 3 prefill chunk(s) of 64 tokens beside "
+                              "the 4 decode rows the window has run would keep them waiting 330 ms at the p99")
+        assert ("past the operator's 512" in why) is (ttft_s >= 2)
+
+
+@pytest.mark.parametrize("budget, bound, changes", [
+    (512, 1024, {"long_prefill_token_threshold": 160}),
+    (128, 1024, {"long_prefill_token_threshold": 160, "max_num_batched_tokens": 160}),
+    (128, 128, None)])
+def test_a_raise_of_the_chunk_for_the_long_prefill_slots_brings_the_budget_up_to_it(budget, bound, changes):
+    # the slots cannot keep up with 96-token chunks; their floor is 160: a budget under it (which
+    # the chunk may not pass) comes up with it, unless the operator's bound keeps it under
+    knobs = Knobs(max_num_batched_tokens=budget, long_prefill_token_threshold=96)
+    spec = parse_spec(f"ttft_p99=3s,itl_p99=150ms,max_num_batched_tokens=64..{bound}")
+    up = slots_raise(knobs, spec, SlotsFloor(160, prompts=40, busy_now=1.2, busy_at_floor=0.7, longest=400))
+    assert (up.move.changes if up else None) == changes
+
+
 @pytest.mark.parametrize("ttft_s, taken", [(4.2, {"long_prefill_token_threshold": 120}),
                                            (6.0, {"max_long_partial_prefills": 2})])
 def test_a_candidate_that_pushes_the_other_targets_p99_past_it_is_not_weighed(ttft_s, taken):
@@ -1132,6 +1171,36 @@ def test_a_stall_of_more_prompts_than_the_prefill_limit_at_the_chunks_bound_cuts
     predicted = last["prediction"]["predicted_wait_s"]
     assert predicted[str(budget)] <= itl_ms / 1000 < predicted[str(budget + 16)]
     assert set(predicted) == {str(b) for b in range(budget, 513, 16)}  # whole KV blocks, until one keeps it
+
+
+@pytest.mark.parametrize("prompts, bounds, changes", [
+    (2, "", {"max_num_batched_tokens": 176, "long_prefill_token_threshold": 176}),
+    (1, "", {"long_prefill_token_threshold": 160}),
+    (2, ",max_num_batched_tokens=256..1024", {"long_prefill_token_threshold": 64})])
+def test_a_stall_of_several_prompts_cuts_the_token_budget_and_the_chunk_under_it(prompts, bounds, changes):
+    # steps of `prompts` chunks of up to 256 tokens each beside up to 6 decode rows (30 ms + 4 ms
+    # per row + 0.5 ms per token + 10 ms per prompt, and context: the heaviest, 2 x 256 tokens,
+    # about 330 ms). Two prompts: the budget bounds the step whole, 176 tokens (170 of prefill, one
+    # prompt's worth in proportion: 148 ms; 192, 156 ms), and the 256-token chunk comes down under
+    # it; one prompt: the chunk alone, 160 tokens (143 ms). With the budget's lower bound at 256
+    # no budget brings the step under the target: the chunk is cut as before, to 64 tokens a prompt
+    ap, engine = pilot(f"ttft_p99=5s,itl_p99=150ms,long_prefill_token_threshold=32..512{bounds}", fixed=FIXED,
+                       window_s=300, long_prefill_token_threshold=256, max_num_seqs=64, max_num_partial_prefills=4)
+    end = stalling_window(ap, prompts=prompts)
+    move = ap.tick(end + 1)
+    assert move is not None and move.changes == changes
+    assert engine.knobs.as_dict().items() >= changes.items()
+    last = ap.view()["moves"][-1]
+    predicted = last["prediction"]["predicted_wait_s"]
+    if "max_num_batched_tokens" in changes:
+        assert last["reason"].startswith("max_num_batched_tokens 512→176, long_prefill_token_threshold 256→176: ")
+        assert "2 prompts' prefill rode in that step, which the token budget bounds whole" in last["reason"]
+        assert predicted["176"] <= 0.150 < predicted["192"]
+        assert set(predicted) == {str(b) for b in range(176, 513, 16)}  # whole KV blocks, until one keeps it
+    else:
+        chunk = changes["long_prefill_token_threshold"]
+        assert last["reason"].startswith(f"long_prefill_token_threshold 256→{chunk}: ")
+        assert predicted[str(chunk)] <= 0.150 < predicted[str(chunk + 16)]
 
 
 def test_a_budget_cut_that_leaves_the_stalled_step_as_it_was_is_not_made():

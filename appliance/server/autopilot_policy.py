@@ -319,13 +319,23 @@ def undoes_raise(move: Move, knobs: Knobs, raised: Mapping[str, int] | None) -> 
 def bounded_move(knobs: Knobs, spec: Spec, name: str, wanted: int, reason: str) -> Move | None:
     """Set `name` to `wanted` clamped into the operator's bounds; None when that changes nothing
     or breaks a cross-knob rule."""
-    lo, hi = spec.bounds.get(name, (1, 1 << 30))
-    value = min(hi, max(lo, wanted))
-    current = knobs.as_dict()[name]
-    if value == current:
+    return bounded_moves(knobs, spec, {name: wanted}, reason)
+
+
+def bounded_moves(knobs: Knobs, spec: Spec, wanted: Mapping[str, int], reason: str) -> Move | None:
+    """Set each knob of `wanted` to its value clamped into the operator's bounds, as one move;
+    None when that changes nothing or the set breaks a cross-knob rule."""
+    current = knobs.as_dict()
+    changes = {}
+    for name, value in wanted.items():
+        lo, hi = spec.bounds.get(name, (1, 1 << 30))
+        if (value := min(hi, max(lo, value))) != current[name]:
+            changes[name] = value
+    if not changes:
         return None
     try:
-        knobs.with_changes({name: value})
+        knobs.with_changes(changes)
     except KnobError:
         return None  # would break a cross-knob rule (e.g. budget >= max_num_seqs): no move
-    return Move({name: value}, f"{name} {current}→{value}: {reason}")
+    said = ", ".join(f"{name} {current[name]}→{value}" for name, value in changes.items())
+    return Move(changes, f"{said}: {reason}")

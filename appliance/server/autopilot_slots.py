@@ -41,8 +41,8 @@ from appliance.engine.knobs import Knobs
 from appliance.records import InFlightRequest, IterationStats, RequestStats
 from appliance.sim.fit import Composition, FitError, composition_of
 
-from .autopilot_policy import MIN_REQUESTS, Choice, Spec, bounded_move
-from .autopilot_stalls import KNOB, PREFILLS, fit_window, kv_block
+from .autopilot_policy import MIN_REQUESTS, Choice, Spec, bounded_moves
+from .autopilot_stalls import BUDGET, KNOB, PREFILLS, fit_window, kv_block
 
 BUSY = 0.8  # the most of their time the long-prefill slots may be held by the window's prompts after a cut...
 OVER = 1.0  # ...and past which a chunk under the floor is raised to it: the slots cannot keep up
@@ -149,8 +149,9 @@ def slots_raise(knobs: Knobs, spec: Spec, floor: SlotsFloor) -> Choice | None:
            f"({knobs.max_long_partial_prefills}) busy {floor.busy_now:.0%} of the time with {chunk}-token chunks "
            f"(a prompt holds a slot while more than a chunk of it is left), "
            f"{floor.busy_at_floor:.0%} with {floor.chunk} (at most {BUSY:.0%})")
-    move = bounded_move(knobs, spec, KNOB, floor.chunk, why)
-    if move is None or move.changes[KNOB] <= chunk:
+    budget = knobs.max_num_batched_tokens  # the chunk may not pass it: it comes up with the chunk
+    move = bounded_moves(knobs, spec, {KNOB: floor.chunk, BUDGET: max(budget, floor.chunk)}, why)
+    if move is None or move.changes.get(KNOB, chunk) <= chunk:
         return None
     return Choice(move, move.reason, {"long_slots_busy": {str(chunk): floor.busy_now,
                                                           str(floor.chunk): floor.busy_at_floor}})

@@ -11,7 +11,9 @@ stalled step of the heaviest composition again with its prefill chunks capped at
 chunk in whole KV blocks, at the 99th percentile of the fit's own spread (the target is a p99),
 and the largest chunk predicted under the target with the model's held-out error to spare is the
 move (not the largest halving: a chunk cut deeper than the target needs costs every long prompt
-prefill capacity, since each step pays its fixed cost for fewer tokens). Stalls the
+prefill capacity, since each step pays its fixed cost for fewer tokens). A stalled step of
+several prompts' prefill is bounded whole by the token budget instead, cut the same way with the
+chunk brought under it (`step_bound`: a prompt that fits a chunk rides whole). Stalls the
 model does not predict from their steps' composition, at a tail of its spread that one slow step
 cannot set (the machine, not the chunk), or that no chunk down to the operator's lower bound (and
 never under one KV block) brings under the target even at the median of the fit's spread, move
@@ -77,8 +79,8 @@ from appliance.engine.knobs import Knobs
 from appliance.records import IterationStats, RequestStats
 from appliance.sim.fit import Composition, EngineKey, FitError, StepTimeModel, composition_of, fit_step_time
 
-from .autopilot_policy import (Choice, Move, Spec, bounded_move, decode_waits, kept_raise, running_mean,
-                               seqs_demand)
+from .autopilot_policy import (Choice, Move, Spec, bounded_move, bounded_moves, decode_waits, kept_raise,
+                               running_mean, seqs_demand)
 
 KNOB = "long_prefill_token_threshold"
 SEQS = "max_num_seqs"
@@ -157,7 +159,7 @@ def chunk_cut(iterations: Sequence[IterationStats], knobs: Knobs, spec: Spec, fi
         else:
             bounded = prefills_cut(model, now, knobs, spec, seen, prediction, raised)
         return bounded or seqs_cut(model, now, knobs, spec, seen, prediction, demand, raised)
-    return deepest_needed(model, now, knobs, spec, fixed, seen, prediction, raised)
+    return step_bound(model, now, knobs, spec, fixed, seen, prediction, raised)
 
 
 def foresight(iterations: Sequence[IterationStats], knobs: Knobs, spec: Spec, fixed: Mapping[str, Any],
@@ -214,7 +216,7 @@ def foresight(iterations: Sequence[IterationStats], knobs: Knobs, spec: Spec, fi
            f"{target * 1000:.0f} ms)"
     if at_floor:
         return prefills_cut(model, ahead, knobs, spec, seen, {"foreseen_wait_s": wait}, raised)
-    return deepest_needed(model, ahead, knobs, spec, fixed, seen, {"foreseen_wait_s": wait}, raised)
+    return step_bound(model, ahead, knobs, spec, fixed, seen, {"foreseen_wait_s": wait}, raised)
 
 
 def still_in_flight(step: Composition, requests: int) -> Composition | None:
@@ -238,26 +240,28 @@ def still_in_flight(step: Composition, requests: int) -> Composition | None:
 def raise_stalls(model: StepTimeModel, iterations: Sequence[IterationStats], requests: Sequence[RequestStats],
                  knobs: Knobs, spec: Spec, move: Move, ttft_p99: float | None,
                  operator: Mapping[str, Any] | None = None) -> str | None:
-    """Why `move` is barred, or None: it raises a limit on the prompts prefilled at once to n, or
-    the chunk, and the heaviest decode step of the window with its prefill chunks after the move
-    beside it (n of them, or for a chunk raise as many as the step carried, at least one; each a
-    whole chunk, or the window's longest prompt if shorter; within the token budget) would keep its
-    decode rows waiting past the ITL target at the p99 of the fit's spread with the model's
-    held-out error to spare: the test a stall cut passes, so that no raise is made that the stall
-    answer would cut again (benchmarks/autopilot.py run 61: a raise of max_long_partial_prefills
-    allowed at the median, 1→2, and ten seconds later the stall cut max_num_partial_prefills to 2).
-    Not barred while the window's TTFT p99 (`ttft_p99`) is STARVED times its target or more and the
-    raise goes no higher than the operator's value of the limit (`operator`: the knobs in force
-    when the autopilot was switched on or a person last changed them; None: no raise is excepted):
-    the queue then misses the SLO for every request it holds whatever their streaming, the raise
-    gives back what the autopilot's own cut took, and a stall cut does not undo it (`kept_raise`;
-    benchmarks/autopilot.py run 66: with max_num_partial_prefills cut to 1 in the chat phase, the
-    long prompts' phase held 100 % of the queue on that limit, TTFT p99 reached 10.6 s, and every
-    raise 1→2 was barred: 51 misses against the best fixed setting's 37 there). Past the
-    operator's value the bar stands, starving or not (runs 85 and 87: see the module's doc)."""
+    """Why `move` is barred, or None: it raises a limit on the prompts prefilled at once to n, the
+    chunk or the token budget, and the heaviest decode step of the window with its prefill chunks
+    after the move beside it (n of them, or for a raise of the chunk or the budget as many as the
+    step carried, at least one; each a whole chunk, or the window's longest prompt if shorter;
+    within the token budget) would keep its decode rows waiting past the ITL target at the p99 of
+    the fit's spread with the model's held-out error to spare: the test a stall cut passes, so that
+    no raise is made that the stall answer would cut again (benchmarks/autopilot.py run 61: a raise
+    of max_long_partial_prefills allowed at the median, 1→2, and ten seconds later the stall cut
+    max_num_partial_prefills to 2). Not barred while the window's TTFT p99 (`ttft_p99`) is STARVED
+    times its target or more and the raise goes no higher than the operator's value of the limit
+    (`operator`: the knobs in force when the autopilot was switched on or a person last changed
+    them; None: no raise is excepted): the queue then misses the SLO for every request it holds
+    whatever their streaming, the raise gives back what the autopilot's own cut took, and a stall
+    cut does not undo it (`kept_raise`; benchmarks/autopilot.py run 66: with
+    max_num_partial_prefills cut to 1 in the chat phase, the long prompts' phase held 100 % of the
+    queue on that limit, TTFT p99 reached 10.6 s, and every raise 1→2 was barred: 51 misses against
+    the best fixed setting's 37 there). Past the operator's value the bar stands, starving or not
+    (runs 85 and 87: see the module's doc)."""
     target = spec.targets.get("itl_p99")
     now = knobs.as_dict()
-    raised = [(name, n) for name, n in move.changes.items() if name in (*PREFILLS_AT_ONCE, KNOB) and n > now[name]]
+    raised = [(name, n) for name, n in move.changes.items()
+              if name in (*PREFILLS_AT_ONCE, KNOB, BUDGET) and n > now[name]]
     decoding = [composition_of(it.as_dict()) for it in iterations if it.decode_seqs > 0]
     if not target or not raised or not decoding or not requests:
         return None
@@ -265,7 +269,7 @@ def raise_stalls(model: StepTimeModel, iterations: Sequence[IterationStats], req
     operator = operator or {}
     if starved and all(value <= operator.get(limit, 0) for limit, value in raised):
         return None
-    prefills = [(name, n) for name, n in raised if name != KNOB]
+    prefills = [(name, n) for name, n in raised if name in PREFILLS_AT_ONCE]
     name, n = max(prefills, key=lambda r: r[1]) if prefills else raised[0]
     after = knobs.with_changes(move.changes)
     size = min(after.long_prefill_token_threshold, max(r.prompt_tokens for r in requests))
@@ -309,6 +313,67 @@ def wait_at(model: StepTimeModel, step: Composition, chunk: int, tail: float) ->
     the step at quantile `tail` of the fit's spread, plus the engine's gap before it."""
     capped = replace(step, prefill_tokens=min(step.prefill_tokens, chunk * max(1, step.prefill_seqs)))
     return model.predict(capped) * model.ratio(tail) + model.gap_s
+
+
+def step_bound(model: StepTimeModel, step: Composition, knobs: Knobs, spec: Spec, fixed: Mapping[str, Any],
+               seen: str, prediction: dict[str, Any], raised: Mapping[str, int] | None = None) -> Choice:
+    """The cut for a `step` whose decode rows would wait past the ITL target, the chunk above its
+    floor: the token budget's (`whole_step_cut`) when the step carried several prompts' prefill,
+    else (or when no budget cut is to be had) the chunk's (`deepest_needed`). The chunk bounds each
+    prompt's share of a step, not the step: a prompt that fits a chunk rides whole beside the
+    others, and a cut that makes prompts long queues them for the long-prefill slots; a cut of
+    the chunk keeps a step of k prompts at k chunks only while k prompts prefill at once, the
+    budget's holds for any mix (benchmarks/autopilot.py run 114's second way: a step of 2 prompts'
+    329 tokens beside 12 decode rows stalled 191 ms and the chunk was cut 192→64, under which
+    every chat prompt (96-256 tokens) was long; 14 requests waited when the long prompts came,
+    where the best fixed setting's 256-token budget kept 1-3, and that phase missed 272 requests
+    against its 23. Rebuilt from its store, the budget's cut is 512→160, the chunk 160 with it)."""
+    if step.prefill_seqs > 1 and (cut := whole_step_cut(model, step, knobs, spec, fixed, seen, prediction,
+                                                         raised)) is not None:
+        return cut
+    return deepest_needed(model, step, knobs, spec, fixed, seen, prediction, raised)
+
+
+def whole_step_cut(model: StepTimeModel, step: Composition, knobs: Knobs, spec: Spec, fixed: Mapping[str, Any],
+                   seen: str, prediction: dict[str, Any], raised: Mapping[str, int] | None = None) -> Choice | None:
+    """The largest token budget, in whole KV blocks, under which `step` (its prefill within the
+    budget less its decode rows, its prompts in proportion) keeps the ITL target at the p99 of the
+    fit's spread with the model's held-out error to spare, or else the floor if it keeps the
+    target at the median, as `deepest_needed` cuts the chunk; the chunk comes down with the
+    budget where it would be over it. The floor is `budget_floor`'s with the chunk's own floor
+    (`floor_of`, which holds the long-prefill slots' floor) for the chunk. None: no budget down
+    to there makes the step lighter, none brings it under the target even at the median, or the
+    move breaks a bound."""
+    target, chunk = spec.targets["itl_p99"], knobs.long_prefill_token_threshold
+    now, block = knobs.max_num_batched_tokens, kv_block(fixed)
+    floor = budget_floor(spec, knobs, raised, chunk=floor_of(spec, fixed, knobs, raised))
+    headroom = 1 + model.heldout_mape
+    predicted = descend(now, floor, block, lambda b: budget_wait(model, step, b, min(chunk, b), TAIL), target,
+                        headroom)
+    budget = list(predicted)[-1]
+    median = budget_wait(model, step, budget, min(chunk, budget), MEDIAN)
+    if predicted[budget] >= predicted[now] or (predicted[budget] * headroom > target and median > target):
+        return None
+    forecast = f"{predicted[budget] * 1000:.0f} ms with a {budget}-token budget (p99 of its spread)"
+    if predicted[budget] * headroom > target:
+        forecast += f", {median * 1000:.0f} ms at its median: the deepest cut the bounds allow"
+    move = bounded_moves(knobs, spec, {BUDGET: budget, KNOB: min(chunk, budget)},
+                         f"{seen}; {step.prefill_seqs} prompts' prefill rode in that step, which the token budget "
+                         f"bounds whole (a prompt that fits a chunk rides whole): the step-time model (held-out error "
+                         f"{model.heldout_mape:.0%}) predicts {forecast}, {predicted[now] * 1000:.0f} ms with {now}")
+    if move is None:
+        return None
+    return Choice(move, move.reason, {**prediction, "model_heldout_mape": model.heldout_mape,
+                                      "prefill_seqs": step.prefill_seqs,
+                                      "predicted_wait_s": {str(b): t for b, t in predicted.items()}})
+
+
+def budget_wait(model: StepTimeModel, step: Composition, budget: int, chunk: int, tail: float) -> float:
+    """`wait_at` for `step` under a `budget`-token budget: its prefill tokens within the budget
+    less its decode rows, its prompts in proportion (at least one), each capped at `chunk`."""
+    tokens = min(step.prefill_tokens, max(0, budget - step.decode_rows))
+    prompts = min(step.prefill_seqs, max(1, math.ceil(step.prefill_seqs * tokens / max(1, step.prefill_tokens))))
+    return wait_at(model, replace(step, prefill_tokens=tokens, prefill_seqs=prompts), chunk, tail)
 
 
 def deepest_needed(model: StepTimeModel, step: Composition, knobs: Knobs, spec: Spec, fixed: Mapping[str, Any],
@@ -447,9 +512,7 @@ def budget_cut(model: StepTimeModel, step: Composition, knobs: Knobs, spec: Spec
     now, floor, block = knobs.max_num_batched_tokens, budget_floor(spec, knobs, raised), kv_block(fixed)
 
     def wait(budget: int, tail: float) -> float:
-        tokens = min(step.prefill_tokens, max(0, budget - step.decode_rows))
-        prompts = min(step.prefill_seqs, max(1, math.ceil(step.prefill_seqs * tokens / max(1, step.prefill_tokens))))
-        return wait_at(model, replace(step, prefill_tokens=tokens, prefill_seqs=prompts), chunk, tail)
+        return budget_wait(model, step, budget, chunk, tail)
 
     headroom = 1 + model.heldout_mape
     predicted = descend(now, floor, block, lambda b: wait(b, TAIL), target, headroom)
@@ -467,12 +530,13 @@ def budget_cut(model: StepTimeModel, step: Composition, knobs: Knobs, spec: Spec
     return Choice(move, move.reason, prediction, simulated=True) if move else None
 
 
-def budget_floor(spec: Spec, knobs: Knobs, raised: Mapping[str, int] | None = None) -> int:
+def budget_floor(spec: Spec, knobs: Knobs, raised: Mapping[str, int] | None = None, chunk: int | None = None) -> int:
     """The smallest token budget a cut goes to: the operator's lower bound, never under
-    max_num_seqs (every running sequence's decode token fits) or one chunk, and not under the
+    max_num_seqs (every running sequence's decode token fits) or one chunk (`chunk`: the least a
+    cut may bring the chunk down to with it; default the chunk in force), and not under the
     budget now while the autopilot's raise of it is in force (`raised`, see `kept_raise`)."""
-    return max(1, spec.bounds.get(BUDGET, (1, 0))[0], knobs.max_num_seqs, knobs.long_prefill_token_threshold,
-               kept_raise(knobs, BUDGET, raised))
+    return max(1, spec.bounds.get(BUDGET, (1, 0))[0], knobs.max_num_seqs,
+               knobs.long_prefill_token_threshold if chunk is None else chunk, kept_raise(knobs, BUDGET, raised))
 
 
 def prefills_floor(spec: Spec, knobs: Knobs, raised: Mapping[str, int] | None = None) -> int:
