@@ -155,7 +155,10 @@ def chunk_cut(iterations: Sequence[IterationStats], knobs: Knobs, spec: Spec, fi
     prediction = {"stalled_steps": len(stalls), "worst_wait_s": wait}
     if at_floor:
         if now.prefill_seqs > knobs.max_num_partial_prefills:  # prompts that finish in the step rode along
-            bounded = budget_cut(model, now, knobs, spec, fixed, seen, prediction, raised)
+            bounded = budget_cut(model, now, knobs, spec, fixed, seen, prediction, raised, simulated=True,
+                                 why=f"the chunk is at its bound and {now.prefill_seqs} prompts' prefill rode in "
+                                     f"that step, past max_num_partial_prefills {knobs.max_num_partial_prefills} "
+                                     "(prompts that finish in their step do not count toward it)")
         else:
             bounded = prefills_cut(model, now, knobs, spec, seen, prediction, raised)
         return bounded or seqs_cut(model, now, knobs, spec, seen, prediction, demand, raised)
@@ -318,7 +321,7 @@ def wait_at(model: StepTimeModel, step: Composition, chunk: int, tail: float) ->
 def step_bound(model: StepTimeModel, step: Composition, knobs: Knobs, spec: Spec, fixed: Mapping[str, Any],
                seen: str, prediction: dict[str, Any], raised: Mapping[str, int] | None = None) -> Choice:
     """The cut for a `step` whose decode rows would wait past the ITL target, the chunk above its
-    floor: the token budget's (`whole_step_cut`) when the step carried several prompts' prefill,
+    floor: the token budget's (`budget_cut`) when the step carried several prompts' prefill,
     else (or when no budget cut is to be had) the chunk's (`deepest_needed`). The chunk bounds each
     prompt's share of a step, not the step: a prompt that fits a chunk rides whole beside the
     others, and a cut that makes prompts long queues them for the long-prefill slots; a cut of
@@ -328,52 +331,12 @@ def step_bound(model: StepTimeModel, step: Composition, knobs: Knobs, spec: Spec
     every chat prompt (96-256 tokens) was long; 14 requests waited when the long prompts came,
     where the best fixed setting's 256-token budget kept 1-3, and that phase missed 272 requests
     against its 23. Rebuilt from its store, the budget's cut is 512→160, the chunk 160 with it)."""
-    if step.prefill_seqs > 1 and (cut := whole_step_cut(model, step, knobs, spec, fixed, seen, prediction,
-                                                         raised)) is not None:
+    why = f"{step.prefill_seqs} prompts' prefill rode in that step, which the token budget bounds whole (a " \
+          "prompt that fits a chunk rides whole)"
+    if step.prefill_seqs > 1 and (cut := budget_cut(model, step, knobs, spec, fixed, seen, prediction, raised,
+                                                     why=why, simulated=False)) is not None:
         return cut
     return deepest_needed(model, step, knobs, spec, fixed, seen, prediction, raised)
-
-
-def whole_step_cut(model: StepTimeModel, step: Composition, knobs: Knobs, spec: Spec, fixed: Mapping[str, Any],
-                   seen: str, prediction: dict[str, Any], raised: Mapping[str, int] | None = None) -> Choice | None:
-    """The largest token budget, in whole KV blocks, under which `step` (its prefill within the
-    budget less its decode rows, its prompts in proportion) keeps the ITL target at the p99 of the
-    fit's spread with the model's held-out error to spare, or else the floor if it keeps the
-    target at the median, as `deepest_needed` cuts the chunk; the chunk comes down with the
-    budget where it would be over it. The floor is `budget_floor`'s with the chunk's own floor
-    (`floor_of`, which holds the long-prefill slots' floor) for the chunk. None: no budget down
-    to there makes the step lighter, none brings it under the target even at the median, or the
-    move breaks a bound."""
-    target, chunk = spec.targets["itl_p99"], knobs.long_prefill_token_threshold
-    now, block = knobs.max_num_batched_tokens, kv_block(fixed)
-    floor = budget_floor(spec, knobs, raised, chunk=floor_of(spec, fixed, knobs, raised))
-    headroom = 1 + model.heldout_mape
-    predicted = descend(now, floor, block, lambda b: budget_wait(model, step, b, min(chunk, b), TAIL), target,
-                        headroom)
-    budget = list(predicted)[-1]
-    median = budget_wait(model, step, budget, min(chunk, budget), MEDIAN)
-    if predicted[budget] >= predicted[now] or (predicted[budget] * headroom > target and median > target):
-        return None
-    forecast = f"{predicted[budget] * 1000:.0f} ms with a {budget}-token budget (p99 of its spread)"
-    if predicted[budget] * headroom > target:
-        forecast += f", {median * 1000:.0f} ms at its median: the deepest cut the bounds allow"
-    move = bounded_moves(knobs, spec, {BUDGET: budget, KNOB: min(chunk, budget)},
-                         f"{seen}; {step.prefill_seqs} prompts' prefill rode in that step, which the token budget "
-                         f"bounds whole (a prompt that fits a chunk rides whole): the step-time model (held-out error "
-                         f"{model.heldout_mape:.0%}) predicts {forecast}, {predicted[now] * 1000:.0f} ms with {now}")
-    if move is None:
-        return None
-    return Choice(move, move.reason, {**prediction, "model_heldout_mape": model.heldout_mape,
-                                      "prefill_seqs": step.prefill_seqs,
-                                      "predicted_wait_s": {str(b): t for b, t in predicted.items()}})
-
-
-def budget_wait(model: StepTimeModel, step: Composition, budget: int, chunk: int, tail: float) -> float:
-    """`wait_at` for `step` under a `budget`-token budget: its prefill tokens within the budget
-    less its decode rows, its prompts in proportion (at least one), each capped at `chunk`."""
-    tokens = min(step.prefill_tokens, max(0, budget - step.decode_rows))
-    prompts = min(step.prefill_seqs, max(1, math.ceil(step.prefill_seqs * tokens / max(1, step.prefill_tokens))))
-    return wait_at(model, replace(step, prefill_tokens=tokens, prefill_seqs=prompts), chunk, tail)
 
 
 def deepest_needed(model: StepTimeModel, step: Composition, knobs: Knobs, spec: Spec, fixed: Mapping[str, Any],
@@ -494,40 +457,49 @@ def prefills_cut(model: StepTimeModel, step: Composition, knobs: Knobs, spec: Sp
 
 
 def budget_cut(model: StepTimeModel, step: Composition, knobs: Knobs, spec: Spec, fixed: Mapping[str, Any],
-               seen: str, prediction: dict[str, Any], raised: Mapping[str, int] | None = None) -> Choice | None:
-    """With the chunk at its bound, a stalled `step` that carried more prompts than the limit on
-    prompts prefilled at once is bounded by the token budget alone: a prompt whose whole prefill
-    fits one chunk finishes in its step and never counts toward that limit, so a run of short
-    prompts fills the step up to the budget (benchmarks/autopilot.py run 88: with 64-token chunks
-    and a 512-token budget, steps carrying 7 prompts' prefill kept decode rows waiting up to 230 ms,
-    and a cut of max_num_partial_prefills 4→2 changed none of them; the best fixed setting's
-    256-token budget had no such stall). The largest budget, in whole KV blocks, under which the
-    step (its prefill tokens within the budget less its decode rows, its prompts in proportion)
-    keeps the ITL target at the p99 of the fit's spread with the model's held-out error to spare,
-    or else the floor (`budget_floor`) if it keeps the target at the median, as `deepest_needed`
-    cuts the chunk. None: the budget is at its floor, the step keeps the target under the budget
-    in force, fits under the floor already (no cut makes it lighter), or no budget down to the
-    floor brings it under the target even at the median."""
+               seen: str, prediction: dict[str, Any], raised: Mapping[str, int] | None = None, *, why: str,
+               simulated: bool) -> Choice | None:
+    """A stalled `step` bounded by the token budget (`why` says why the budget: `step_bound`'s
+    several prompts, or, with the chunk at its bound, more prompts than the limit on prompts
+    prefilled at once: a prompt whose whole prefill fits one chunk finishes in its step and never
+    counts toward that limit, so a run of short prompts fills the step up to the budget;
+    benchmarks/autopilot.py run 88: with 64-token chunks and a 512-token budget, steps carrying 7
+    prompts' prefill kept decode rows waiting up to 230 ms, and a cut of max_num_partial_prefills
+    4→2 changed none of them; the best fixed setting's 256-token budget had no such stall). The
+    largest budget, in whole KV blocks, under which the step (its prefill tokens within the budget
+    less its decode rows, its prompts in proportion) keeps the ITL target at the p99 of the fit's
+    spread with the model's held-out error to spare, or else the floor (`budget_floor`, with the
+    chunk's own floor for the chunk: `floor_of`, which holds the long-prefill slots' floor) if it
+    keeps the target at the median, as `deepest_needed` cuts the chunk; the chunk comes down with
+    the budget where it would be over it. `simulated`: the controller spaces such fits out. None:
+    the budget is at its floor, the step keeps the target under the budget in force, fits under
+    the floor already (no cut makes it lighter), no budget down to the floor brings it under the
+    target even at the median, or the move breaks a bound."""
     target, chunk = spec.targets["itl_p99"], knobs.long_prefill_token_threshold
-    now, floor, block = knobs.max_num_batched_tokens, budget_floor(spec, knobs, raised), kv_block(fixed)
+    now, block = knobs.max_num_batched_tokens, kv_block(fixed)
+    floor = budget_floor(spec, knobs, raised, chunk=min(chunk, floor_of(spec, fixed, knobs, raised)))
 
     def wait(budget: int, tail: float) -> float:
-        return budget_wait(model, step, budget, chunk, tail)
+        tokens = min(step.prefill_tokens, max(0, budget - step.decode_rows))
+        prompts = min(step.prefill_seqs, max(1, math.ceil(step.prefill_seqs * tokens / max(1, step.prefill_tokens))))
+        return wait_at(model, replace(step, prefill_tokens=tokens, prefill_seqs=prompts), min(chunk, budget), tail)
 
     headroom = 1 + model.heldout_mape
     predicted = descend(now, floor, block, lambda b: wait(b, TAIL), target, headroom)
     budget = list(predicted)[-1]
-    if predicted[budget] >= predicted[now] or (predicted[budget] * headroom > target and wait(budget, MEDIAN) > target):
+    median = wait(budget, MEDIAN)
+    if predicted[budget] >= predicted[now] or (predicted[budget] * headroom > target and median > target):
         return None  # no budget down to the floor makes that step lighter, or none brings it under the target
-    move = bounded_move(knobs, spec, BUDGET, budget, f"{seen}; the chunk is at its bound and {step.prefill_seqs} "
-                        f"prompts' prefill rode in that step, past max_num_partial_prefills "
-                        f"{knobs.max_num_partial_prefills} (prompts that finish in their step do not count toward it): "
-                        f"the step-time model (held-out error {model.heldout_mape:.0%}) predicts "
-                        f"{predicted[budget] * 1000:.0f} ms with a {budget}-token budget, {predicted[now] * 1000:.0f} "
-                        f"ms with {now} (p99 of its spread)")
+    forecast = f"{predicted[budget] * 1000:.0f} ms with a {budget}-token budget, {predicted[now] * 1000:.0f} ms " \
+               f"with {now} (p99 of its spread)"
+    if predicted[budget] * headroom > target:
+        forecast += f"; {median * 1000:.0f} ms at its median: the deepest cut the bounds allow"
+    move = bounded_moves(knobs, spec, {BUDGET: budget, KNOB: min(chunk, budget)},
+                         f"{seen}; {why}: the step-time model (held-out error {model.heldout_mape:.0%}) predicts "
+                         f"{forecast}")
     prediction = {**prediction, "model_heldout_mape": model.heldout_mape, "prefill_seqs": step.prefill_seqs,
                   "predicted_wait_s": {str(b): t for b, t in predicted.items()}}
-    return Choice(move, move.reason, prediction, simulated=True) if move else None
+    return Choice(move, move.reason, prediction, simulated=simulated) if move else None
 
 
 def budget_floor(spec: Spec, knobs: Knobs, raised: Mapping[str, int] | None = None, chunk: int | None = None) -> int:
