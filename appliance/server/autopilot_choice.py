@@ -17,7 +17,7 @@ requests to replay, a prefill stall the iterations show, or one the step-time mo
 from a whole chunk beside the decode rows in flight, cuts the chunk (autopilot_stalls), else
 hold; with enough of them and TTFT p99 within its target, such a stall cuts the chunk as well, at
 once (a replay takes seconds, and knows the streams in flight only by the outputs it estimates);
-no candidate move: hold. A raise of the prompts prefilled at once, or of the chunk, that the
+no candidate move: hold. A raise of the prompts prefilled at once, the chunk or the budget, that the
 step-time model foresees stalling decode rows past the ITL target is barred
 (autopilot_stalls.raise_stalls), from the replayed candidates and from the rules' move alike. A
 replay that ends in a hold leaves the choice to the stall answer when the window's prefill steps

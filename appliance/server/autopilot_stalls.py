@@ -50,21 +50,21 @@ switched on, and after each move) does not wait for the first stall to price a c
 first 256-token prefill beside a stream; the autopilot's ways missed 2 requests each on ITL in
 the chat phase, the best fixed setting 0.2).
 
-The same model bars a raise of the prompts prefilled at once (`raise_stalls`): each one more
-puts another chunk beside the decode rows (a raise of the chunk, which TTFT also asks for when
-such a limit holds the queue, a larger one), and a raise that TTFT asks for must not buy the queued
-prompts' first tokens with a stall of every stream in flight (benchmarks/autopilot.py runs 34-35:
-max_long_partial_prefills 1→2 during the long prompts, and ITL misses all through that phase). It
-is barred unless the step it allows keeps the target at the p99 of the fit's spread with the
-held-out error to spare, as a stall cut's step must: a raise the stall answer would cut again is
-not made. But not while the queue starves (TTFT p99 at twice its target or more: every request it
-holds has missed the SLO already, however it streams) and the raise only gives back what the
-autopilot's own cuts took (up to the operator's value: the knobs in force when it was switched on
-or a person last changed them): then the raise is made, and no stall cut undoes a raise in force
-(`kept_raise`); the relax rule gives it back once both targets are kept. Past the operator's
-value the bar stands even then: over capacity such a raise puts a second chunk beside every
-stream without emptying the queue, and the streams miss ITL for as long as it lasts
-(benchmarks/autopilot.py runs 85 and 87: max_long_partial_prefills 1→2 over a starving queue,
+The same model bars a raise of the prompts prefilled at once (`raise_stalls`): each one more puts
+another chunk beside the decode rows (a raise of the chunk, which TTFT also asks for when such a
+limit holds the queue, a larger one; of the token budget, more of the prompts' tokens), and a raise
+that TTFT asks for must not buy the queued prompts' first tokens with a stall of every stream in
+flight (benchmarks/autopilot.py runs 34-35: max_long_partial_prefills 1→2 during the long prompts,
+and ITL misses all through that phase). It is barred unless the step it allows keeps the target at
+the p99 of the fit's spread with the held-out error to spare, as a stall cut's step must: a raise
+the stall answer would cut again is not made. But not while the queue starves (TTFT p99 at twice
+its target or more: every request it holds has missed the SLO already, however it streams) and the
+raise only gives back what the autopilot's own cuts took (up to the operator's value: the knobs in
+force when it was switched on or a person last changed them): then the raise is made, and no stall
+cut undoes a raise in force (`kept_raise`); the relax rule gives it back once both targets are
+kept. Past the operator's value the bar stands even then: over capacity such a raise puts a second
+chunk beside every stream without emptying the queue, and the streams miss ITL for as long as it
+lasts (benchmarks/autopilot.py runs 85 and 87: max_long_partial_prefills 1→2 over a starving queue,
 then ITL misses there and in the short prompts' phase that the best fixed setting did not have).
 """
 
