@@ -645,10 +645,12 @@ def test_a_raise_of_the_token_budget_that_would_stall_every_stream_is_barred(bud
 @pytest.mark.parametrize("budget, bound, changes", [
     (512, 1024, {"long_prefill_token_threshold": 160}),
     (128, 1024, {"long_prefill_token_threshold": 160, "max_num_batched_tokens": 160}),
-    (128, 128, None)])
+    (128, 128, {"long_prefill_token_threshold": 128}),
+    (96, 96, None)])
 def test_a_raise_of_the_chunk_for_the_long_prefill_slots_brings_the_budget_up_to_it(budget, bound, changes):
     # the slots cannot keep up with 96-token chunks; their floor is 160: a budget under it (which
-    # the chunk may not pass) comes up with it, unless the operator's bound keeps it under
+    # the chunk may not pass) comes up with it; where the operator's bound keeps the budget under
+    # the floor, the chunk goes as far as that bound, and no raise where that is no raise
     knobs = Knobs(max_num_batched_tokens=budget, long_prefill_token_threshold=96)
     spec = parse_spec(f"ttft_p99=3s,itl_p99=150ms,max_num_batched_tokens=64..{bound}")
     up = slots_raise(knobs, spec, SlotsFloor(160, prompts=40, busy_now=1.2, busy_at_floor=0.7, longest=400))
@@ -863,6 +865,24 @@ def test_a_chunk_under_which_the_long_prefill_slots_cannot_keep_up_is_raised(chu
                               "holds a slot while more than a chunk of it is left), 73% with 80 (at most 80%)")
     assert last["prediction"]["long_slots_busy"] == {"48": pytest.approx(1.093, abs=0.001),
                                                      "80": pytest.approx(0.731, abs=0.001)}
+
+
+def test_a_raise_of_two_knobs_is_given_back_together():
+    # the slots' raise of 48-token chunks to 80 brings the 64-token budget up with it (the chunk may
+    # not pass it); once both targets are kept a whole window later, the relax rule gives both back
+    # in one move (one of them alone would leave the budget raised, or break chunk <= budget)
+    flight = prompts_in_flight(36, 200, every_s=0.25)
+    ap, engine = pilot("ttft_p99=5s,itl_p99=150ms", fixed=FIXED, window_s=30, long_prefill_token_threshold=48,
+                       max_num_batched_tokens=64, max_num_seqs=32, in_flight=lambda: flight)
+    end = stalling_window(ap, chunks=(64, 128)) + 1
+    move = ap.tick(end)
+    assert move is not None and move.changes == {"long_prefill_token_threshold": 80, "max_num_batched_tokens": 80}
+    flight.clear()
+    feed(ap, end + 1, ttft=0.1)
+    feed(ap, end + 21, ttft=0.1)
+    move = ap.tick(end + 31)
+    assert move is not None and move.changes == {"long_prefill_token_threshold": 48, "max_num_batched_tokens": 64}
+    assert move.reason.endswith("giving back the last raise of long_prefill_token_threshold, max_num_batched_tokens")
 
 
 @pytest.mark.parametrize("prompts, chunk", [(0, 160), (36, None)])
@@ -1194,7 +1214,7 @@ def test_a_stall_of_several_prompts_cuts_the_token_budget_and_the_chunk_under_it
     predicted = last["prediction"]["predicted_wait_s"]
     if "max_num_batched_tokens" in changes:
         assert last["reason"].startswith("max_num_batched_tokens 512→176, long_prefill_token_threshold 256→176: ")
-        assert "2 prompts' prefill rode in that step, which the token budget bounds whole" in last["reason"]
+        assert "2 prompts' prefill in that step, which the token budget bounds whole" in last["reason"]
         assert predicted["176"] <= 0.150 < predicted["192"]
         assert set(predicted) == {str(b) for b in range(176, 513, 16)}  # whole KV blocks, until one keeps it
     else:

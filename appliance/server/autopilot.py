@@ -223,13 +223,12 @@ class Autopilot(StatsSink):
                 return None
             with self._lock:
                 self._last_move_at = now
-                name, value = next(iter(move.changes.items()))
                 before = snap.knobs.as_dict()
-                if value > before[name]:
-                    self._last_raise = {name: before[name]}
-                elif self._last_raise.get(name) is not None:
+                if raises := {name: before[name] for name, value in move.changes.items() if value > before[name]}:
+                    self._last_raise = raises  # the relax rule gives them back together
+                elif self._last_raise.keys() & move.changes.keys():
                     self._last_raise = {}
-                self._cut_at = now if name == CHUNK and value < before[name] else float("-inf")
+                self._cut_at = now if move.changes.get(CHUNK, before[CHUNK]) < before[CHUNK] else float("-inf")
                 self.moves.append({"at": now, "version": change.version, "changes": move.changes,
                                    "reason": choice.reason, "prediction": choice.prediction})
                 # drop the window: the next decision reads traffic under the new knobs only

@@ -288,9 +288,8 @@ def decide(w: WindowStats, knobs: Knobs, spec: Spec, last_raise: dict[str, int] 
         return bounded_move(knobs, spec, "max_num_seqs", w.fewer_seqs(k["max_num_seqs"]),
                             f"{why}; decode-only steps' waits p99 {w.decode_wait_p99 * 1000:.0f} ms")
     if relaxed(w, spec) and last_raise:
-        name, before = next(iter(last_raise.items()))
-        return bounded_move(knobs, spec, name, before, f"TTFT and ITL p99 under {RELAX:.0%} of their targets: "
-                                               f"giving back the last raise of {name}")
+        return bounded_moves(knobs, spec, last_raise, f"TTFT and ITL p99 under {RELAX:.0%} of their targets: "
+                                                      f"giving back the last raise of {', '.join(last_raise)}")
     return None
 
 

@@ -140,8 +140,10 @@ def floored(spec: Spec, knobs: Knobs, floor: SlotsFloor) -> Spec:
 
 def slots_raise(knobs: Knobs, spec: Spec, floor: SlotsFloor) -> Choice | None:
     """The raise of a chunk under which the slots are busier than OVER to the floor (within the
-    operator's bounds), or None; none when the floor is where no prompt is long (the prefill work
-    itself is more than the time holds: a larger chunk saves steps' fixed costs, not the queue)."""
+    operator's bounds, the token budget's too), the budget brought up with it where it was under
+    (the chunk may not pass it), or None; none when the floor is where no prompt is long (the
+    prefill work itself is more than the time holds: a larger chunk saves steps' fixed costs, not
+    the queue)."""
     chunk = knobs.long_prefill_token_threshold
     if floor.chunk <= chunk or floor.busy_now <= OVER or floor.chunk >= floor.longest:
         return None
@@ -149,8 +151,10 @@ def slots_raise(knobs: Knobs, spec: Spec, floor: SlotsFloor) -> Choice | None:
            f"({knobs.max_long_partial_prefills}) busy {floor.busy_now:.0%} of the time with {chunk}-token chunks "
            f"(a prompt holds a slot while more than a chunk of it is left), "
            f"{floor.busy_at_floor:.0%} with {floor.chunk} (at most {BUSY:.0%})")
-    budget = knobs.max_num_batched_tokens  # the chunk may not pass it: it comes up with the chunk
-    move = bounded_moves(knobs, spec, {KNOB: floor.chunk, BUDGET: max(budget, floor.chunk)}, why)
+    lo, hi = spec.bounds.get(KNOB, (1, 1 << 30))
+    wanted = min(max(lo, min(hi, floor.chunk)), spec.bounds.get(BUDGET, (1, 1 << 30))[1])
+    budget = max(knobs.max_num_batched_tokens, wanted)  # the chunk may not pass it
+    move = bounded_moves(knobs, spec, {KNOB: wanted, BUDGET: budget}, why)
     if move is None or move.changes.get(KNOB, chunk) <= chunk:
         return None
     return Choice(move, move.reason, {"long_slots_busy": {str(chunk): floor.busy_now,

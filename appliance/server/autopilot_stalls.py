@@ -331,8 +331,8 @@ def step_bound(model: StepTimeModel, step: Composition, knobs: Knobs, spec: Spec
     every chat prompt (96-256 tokens) was long; 14 requests waited when the long prompts came,
     where the best fixed setting's 256-token budget kept 1-3, and that phase missed 272 requests
     against its 23. Rebuilt from its store, the budget's cut is 512→160, the chunk 160 with it)."""
-    why = f"{step.prefill_seqs} prompts' prefill rode in that step, which the token budget bounds whole (a " \
-          "prompt that fits a chunk rides whole)"
+    why = f"{step.prefill_seqs} prompts' prefill in that step, which the token budget bounds whole (a prompt " \
+          "that fits a chunk rides whole)"
     if step.prefill_seqs > 1 and (cut := budget_cut(model, step, knobs, spec, fixed, seen, prediction, raised,
                                                      why=why, simulated=False)) is not None:
         return cut
@@ -494,7 +494,7 @@ def budget_cut(model: StepTimeModel, step: Composition, knobs: Knobs, spec: Spec
                f"with {now} (p99 of its spread)"
     if predicted[budget] * headroom > target:
         forecast += f"; {median * 1000:.0f} ms at its median: the deepest cut the bounds allow"
-    move = bounded_moves(knobs, spec, {BUDGET: budget, KNOB: min(chunk, budget)},
+    move = bounded_moves(knobs, spec, {BUDGET: budget} | ({KNOB: budget} if budget < chunk else {}),
                          f"{seen}; {why}: the step-time model (held-out error {model.heldout_mape:.0%}) predicts "
                          f"{forecast}")
     prediction = {**prediction, "model_heldout_mape": model.heldout_mape, "prefill_seqs": step.prefill_seqs,
