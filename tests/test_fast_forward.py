@@ -112,14 +112,27 @@ def test_own_rows_count_up_while_the_own_gemm_wins(kernel, times, rows):
             fn()
         return [next(clock) for _ in fns]
 
-    assert fast_llama.faster_own_rows(linear, timed) == rows
-    assert fast_llama.faster_own_rows(fast_llama.PackedLinear(torch.randn(8, 8)), timed) == 0  # no kernels: no copy
+    assert fast_llama.faster_own_rows([linear, linear], timed) == rows
+    assert fast_llama.faster_own_rows([fast_llama.PackedLinear(torch.randn(8, 8))], timed) == 0  # no kernels: no copy
+    assert fast_llama.faster_own_rows([], timed) == 0
+
+
+def test_own_rows_are_timed_once_a_process_for_the_same_weight_shapes(kernel, monkeypatch):
+    monkeypatch.setattr(fast_llama, "_OWN_ROWS", {})
+    timed_on = []
+    monkeypatch.setattr(fast_llama, "faster_own_rows", lambda linears: timed_on.append(len(linears)) or 64)
+    pair = [fast_llama.PackedLinear(torch.randn(64, 32), kernels=kernel) for _ in range(2)]
+    again = [fast_llama.PackedLinear(torch.randn(64, 32), kernels=kernel) for _ in range(2)]
+    assert fast_llama.own_rows_on_this_cpu(pair) == fast_llama.own_rows_on_this_cpu(again) == 64
+    fast_llama.own_rows_on_this_cpu([fast_llama.PackedLinear(torch.randn(96, 32), kernels=kernel)])
+    assert timed_on == [2, 1]  # the second pair of the same shapes was not timed again
 
 
 @pytest.mark.parametrize("own_rows", [0, 256])
 def test_prefill_and_decode_logits_match_transformers_with_or_without_the_own_gemm(loaded_model, monkeypatch, own_rows):
     """Chunks of 64 rows and one-row steps through the C kernels' GEMM, or all through oneDNN."""
-    monkeypatch.setattr(fast_llama, "faster_own_rows", lambda linear, **_: own_rows)
+    monkeypatch.setattr(fast_llama, "_OWN_ROWS", {})
+    monkeypatch.setattr(fast_llama, "faster_own_rows", lambda linears, **_: own_rows)
     prompt = loaded_model.tokenizer.encode("Packed twice, multiplied either way, the logits must not move at all.")
     with torch.inference_mode():
         reference = loaded_model.model(torch.tensor([prompt])).logits[0, -1].float()
