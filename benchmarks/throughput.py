@@ -274,7 +274,7 @@ def weight_pass_seconds(loaded) -> float:
 
 def matmul_calls(w: torch.Tensor) -> list:
     """Every way the engine can multiply by w (each a function of x): the default F.linear call,
-    and on the CPU oneDNN's packed matmul and, in float32, the C kernels' own GEMM."""
+    and on the CPU oneDNN's packed matmul and, where they take w, the C kernels' own GEMM."""
     calls = [lambda x: torch.nn.functional.linear(x, w)]
     if w.device.type == "cpu":
         kernels = cpu_kernels.load()

@@ -4,6 +4,7 @@ lean forward's (transformers') torch ops, in float32 and bfloat16."""
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -157,7 +158,36 @@ def test_own_gemm_matches_f_linear(kernel, rows, n, k):
     torch.testing.assert_close(kernel.gemm(x, packed, n, residual), residual + torch.nn.functional.linear(x, weight), **tol)
     strided = torch.randn(2 * rows, k, generator=gen)[::2]  # rows apart in memory, as a slice of a batch
     torch.testing.assert_close(kernel.gemm(strided, packed, n), torch.nn.functional.linear(strided, weight), **tol)
-    assert kernel.supports_gemm(weight) and not kernel.supports_gemm(weight.bfloat16())
+    assert kernel.supports_gemm(weight)
+
+
+def _has_avx512_bf16() -> bool:
+    return " avx512_bf16" in Path("/proc/cpuinfo").read_text()
+
+
+@pytest.mark.parametrize("rows", [1, 5, 12, 13, 64, 300])
+@pytest.mark.parametrize("n, k", [(96, 40), (50, 34), (960, 576)])
+def test_own_bfloat16_gemm_matches_float32_sums_rounded_once(kernel, rows, n, k):
+    """Where the CPU has AVX512-BF16: x @ W.T (+ residual) summed in float32 and rounded to
+    bfloat16 once, as the reference below; elsewhere the kernels take no bfloat16 weight."""
+    gen = torch.Generator().manual_seed(rows * n)
+    weight = torch.randn(n, k, generator=gen).bfloat16()
+    if not _has_avx512_bf16():
+        assert not kernel.supports_gemm(weight)
+        return
+    assert kernel.supports_gemm(weight) and not kernel.supports_gemm(torch.zeros(n, k + 1, dtype=torch.bfloat16))
+    packed = kernel.pack_gemm(weight)
+    x, residual = torch.randn(rows, k, generator=gen).bfloat16(), torch.randn(rows, n, generator=gen).bfloat16()
+    strided = torch.randn(2 * rows, k, generator=gen).bfloat16()[::2]
+    exact = torch.nn.functional.linear(x.float(), weight.float())
+    # float32 sums in another order than the reference's: a rounding boundary may fall between
+    # them, so results may differ by one bfloat16 step (2**-7 of the value at most)
+    tol = {"atol": 1e-3, "rtol": 2 ** -7}
+    torch.testing.assert_close(kernel.gemm(x, packed, n).float(), exact.bfloat16().float(), **tol)
+    torch.testing.assert_close(kernel.gemm(x, packed, n, residual).float(),
+                               (residual.float() + exact).bfloat16().float(), **tol)
+    torch.testing.assert_close(kernel.gemm(strided, packed, n).float(),
+                               torch.nn.functional.linear(strided.float(), weight.float()).bfloat16().float(), **tol)
 
 
 def test_cli_flag_and_config_reach_the_engine_config():
@@ -198,7 +228,8 @@ def _teacher_forced_logits(runner, prompts: list[list[int]], continuations: list
     return [torch.stack(rows) for rows in logits]
 
 
-def test_bfloat16_kernels_are_as_close_to_float32_as_the_torch_path(loaded_model):
+@pytest.mark.parametrize("own_rows", [None, 256])  # as timed here; the own GEMM forced up to 256 rows where built
+def test_bfloat16_kernels_are_as_close_to_float32_as_the_torch_path(loaded_model, monkeypatch, own_rows):
     # Greedy agreement between two bf16 paths is no criterion: after a near-tie either may pick
     # the other token (measured 111/160 agreeing tokens on one machine, 94 % on another). Instead
     # both bf16 paths (C kernels, torch ops) are fed the same tokens (fp32 greedy continuations)
@@ -229,10 +260,15 @@ def test_bfloat16_kernels_are_as_close_to_float32_as_the_torch_path(loaded_model
             reference.append(model(out).logits[0, len(ids) - 1:].float())  # the prefill row + one per forced token
 
     loaded = load_model(dtype="bfloat16", device="cpu")
+    if own_rows is not None:
+        monkeypatch.setattr(fast_llama, "_OWN_ROWS", {})
+        monkeypatch.setattr(fast_llama, "faster_own_rows", lambda linears: own_rows)
     errors = {}
     for kernels in (True, False):
         runner = ModelRunner(loaded, num_blocks=256, block_size=16, use_kernels=kernels)
         assert (runner.decode_kernel is not None) == kernels
+        if own_rows is not None and kernels and _has_avx512_bf16():
+            assert runner.fast.own_rows == own_rows
         logits = _teacher_forced_logits(runner, prompts, continuations)
         rel = [((got - ref).norm(dim=-1) / ref.norm(dim=-1)) for got, ref in zip(logits, reference)]
         errors[kernels] = torch.cat(rel).mean().item()

@@ -6,9 +6,9 @@ cached per source, flags and CPU, loaded with ctypes.
   twice more).
 - `rms_norm`, `rotary_`, `silu_mul` do the llama layer's elementwise work in one pass each,
   where torch runs five to eight kernels.
-- `gemm` (csrc/packed_gemm.c) multiplies a few float32 rows by a weight packed once for it
-  (`pack_gemm`): at a decode step's row counts it beats oneDNN's packed matmul (the lean
-  forward times the two on one of its weights and uses it where it wins).
+- `gemm` (csrc/packed_gemm.c) multiplies a few float32 rows, or bfloat16 rows where the CPU has
+  AVX512-BF16, by a weight packed once for it (`pack_gemm`): at a decode step's row counts it
+  beats oneDNN's packed matmul (the lean forward times the two and uses it where it wins).
 
 Optional: without a compiler, or if the build fails, `load()` returns None and the engine keeps
 its torch paths (same results up to float rounding; both are tested).
@@ -45,7 +45,7 @@ _SIGNATURES = {
     "rotary": [_P, _I, _I, _I, _I, _P, _P, _I],
     "silu_mul": [_P, _I, _I, _P, _I],
 }
-_GEMM_SIGNATURE = [_P, _I, _I, _I, _P, _I, _P, _P, _I]  # gemm_f32: float32 only
+_GEMM_SIGNATURE = [_P, _I, _I, _I, _P, _I, _P, _P, _I]  # gemm_f32, and gemm_bf16 where built (AVX512-BF16)
 _state: dict[str, CpuKernels | None] = {}
 
 
@@ -57,8 +57,11 @@ class CpuKernels:
         self.max_dim = lib.paged_decode_max_dim()
         self.dim_multiple = lib.paged_decode_dim_multiple()
         self.panel_width = lib.gemm_panel_width()
-        self._gemm = lib.gemm_f32
-        self._gemm.argtypes, self._gemm.restype = _GEMM_SIGNATURE, None
+        self._gemms: dict[torch.dtype, ctypes._CFuncPtr] = {}
+        for dtype, suffix in _SUFFIX.items():
+            if hasattr(lib, f"gemm_{suffix}"):
+                fn = self._gemms[dtype] = getattr(lib, f"gemm_{suffix}")
+                fn.argtypes, fn.restype = _GEMM_SIGNATURE, None
         self._fns: dict[tuple[str, torch.dtype], ctypes._CFuncPtr] = {}
         for name, argtypes in _SIGNATURES.items():
             for dtype, suffix in _SUFFIX.items():
@@ -76,27 +79,31 @@ class CpuKernels:
                 and num_heads // kv_heads <= self.max_group and head_dim <= self.max_dim
                 and head_dim % self.dim_multiple == 0)
 
-    @staticmethod
-    def supports_gemm(weight: torch.Tensor) -> bool:
-        return weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2
+    def supports_gemm(self, weight: torch.Tensor) -> bool:
+        """Whether `gemm` takes this weight: float32, or bfloat16 with an even k where built."""
+        return (weight.device.type == "cpu" and weight.dim() == 2 and weight.dtype in self._gemms
+                and (weight.dtype == torch.float32 or weight.shape[1] % 2 == 0))
 
     def pack_gemm(self, weight: torch.Tensor) -> torch.Tensor:
         """A packed copy of W [n, k] for `gemm`: panels of `panel_width` output columns, each
-        k-major (W[p * width + j, kk] at [p, kk, j]), zero rows padding n to whole panels."""
+        k-major (float32: W[p * width + j, kk] at [p, kk, j]; bfloat16 in k pairs: W[p * width + j,
+        2 q + e] at [p, q, j, e]), zero rows padding n to whole panels."""
         n, k = weight.shape
         pad = -n % self.panel_width
         padded = F.pad(weight.detach(), (0, 0, 0, pad))
+        if weight.dtype == torch.bfloat16:
+            return padded.view(-1, self.panel_width, k // 2, 2).permute(0, 2, 1, 3).contiguous()
         return padded.view(-1, self.panel_width, k).transpose(1, 2).contiguous()
 
     def gemm(self, x: torch.Tensor, packed: torch.Tensor, n: int, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """x [m, k] @ W.T (+ residual [m, n]) for the W [n, k] that `packed` holds (float32; x's rows
-        may be strided)."""
+        """x [m, k] @ W.T (+ residual [m, n]) for the W [n, k] that `packed` holds (in W's dtype; x's
+        rows may be strided)."""
         if x.stride(1) != 1:
             x = x.contiguous()
         if residual is not None:
             residual = residual.contiguous()
         out = x.new_empty(x.shape[0], n)
-        self._gemm(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), packed.data_ptr(), n,
+        self._gemms[x.dtype](x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), packed.data_ptr(), n,
                    None if residual is None else residual.data_ptr(), out.data_ptr(), torch.get_num_threads())
         return out
 

@@ -12,11 +12,13 @@ MKL on a Sapphire Rapids box: 25 vs 39 us for q/k/v at one row, a single chat de
 13 % faster); the forward times both on one of the model's own weights when it is built and
 runs that many rows unpacked where BLAS wins by PLAIN_MARGIN (`plain_rows`). With the C kernels
 (cpu_kernels) the norms, the rotary embedding and the gated activation take one pass each, and
-in float32 each weight gets a second packed copy for the kernels' own GEMM, which the forward
-times against oneDNN's once a process, on every layer's gate/up weight streamed as a step streams
-them, and uses up to the most rows where it won (`own_rows`: 64-256 on an AMD EPYC with AVX2,
-where it runs a decode step's matmuls 1.2-1.6x faster; 128 on an Intel Xeon with AVX-512, 1.3-1.5x
-at 16-64 rows, where one hot weight timed alone had made it a coin toss from 16 rows on).
+in float32 (and bfloat16 where the CPU has AVX512-BF16) each weight gets a second packed copy
+for the kernels' own GEMM, which the forward times against oneDNN's once a process, on every
+layer's gate/up weight streamed as a step streams them, and uses up to the most rows where it won
+(`own_rows`: 64-256 on an AMD EPYC with AVX2, where it runs a decode step's matmuls 1.2-1.6x
+faster; in fp32 128 on an Intel Xeon with AVX-512, 1.3-1.5x at 16-64 rows, where one hot weight
+timed alone had made it a coin toss from 16 rows on; in bf16 1 there, 1.3x, AMX's far ahead
+from 16 rows).
 Anything else (qwen2 with biases, scaled rope, other activations, ...) goes through
 transformers' own classes; a test checks this forward's logits against transformers'.
 """
@@ -80,7 +82,7 @@ def supports(model: torch.nn.Module) -> bool:
 
 class PackedLinear:
     """y = x @ W.T (+ residual) on the CPU through packed copies of W: the C kernels' own GEMM
-    (float32) up to `own_rows` rows, oneDNN's packed matmul beyond; plain F.linear elsewhere, for
+    (where it takes W) up to `own_rows` rows, oneDNN's packed matmul beyond; plain F.linear elsewhere, for
     at most `plain_rows` rows, and where nothing is packed."""
 
     BATCH_HINT = 64  # oneDNN picks the packed layout for about this many rows; any count works
@@ -120,7 +122,7 @@ class PackedLinear:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
 
 
-OWN_ROWS_TRIED = (16, 64, 128, 256)
+OWN_ROWS_TRIED = (1, 4, 8, 16, 32, 64, 128, 256)
 
 
 def faster_own_rows(linears: Sequence[PackedLinear],
@@ -129,10 +131,8 @@ def faster_own_rows(linears: Sequence[PackedLinear],
     kernels' GEMM took at most the time of the call it replaces (oneDNN's packed matmul, or
     F.linear where nothing is packed) over one pass of `linears` (of one shape class, e.g. every
     layer's gate/up: each weight streamed from memory as a step streams it, where one weight timed
-    again and again sits in cache and tells a different story), `timed` now in this thread; 0
-    without the kernels' packed copies."""
-    if not linears or any(linear.own is None for linear in linears):
-        return 0
+    again and again sits in cache and tells a different story; each with the kernels' packed copy),
+    `timed` now in this thread."""
     timed = timed or functools.partial(best_times, repeats=3, calls=1)  # 256 rows: ~0.1 s a pass
     others = [linear.onednn_matmul if linear.packed is not None else functools.partial(F.linear, weight=linear.weight)
               for linear in linears]
@@ -150,15 +150,16 @@ def faster_own_rows(linears: Sequence[PackedLinear],
     return rows_won
 
 
-_OWN_ROWS: dict[tuple, int] = {}  # faster_own_rows per shapes, dtype, threads, copies: timed once a process
+_OWN_ROWS: dict[tuple, int] = {}  # faster_own_rows per shapes, dtype and threads: timed once a process
 
 
 def own_rows_on_this_cpu(linears: Sequence[PackedLinear]) -> int:
-    """faster_own_rows(linears), timed at the first call in this process for their shapes, dtype,
-    thread count and whether they hold the kernels' copies, and the same answer after: every
-    engine built in one process splits its matmuls alike, and none pays the timing again."""
-    key = (tuple(tuple(linear.weight.shape) for linear in linears), linears[0].weight.dtype if linears else None,
-           torch.get_num_threads(), all(linear.own is not None for linear in linears))
+    """faster_own_rows(linears), timed at the first call in this process for their shapes, dtype
+    and thread count, and the same answer after: every engine built in one process splits its
+    matmuls alike, and none pays the timing again. 0 where any lacks the kernels' packed copy."""
+    if not linears or any(linear.own is None for linear in linears):
+        return 0
+    key = (tuple(tuple(linear.weight.shape) for linear in linears), linears[0].weight.dtype, torch.get_num_threads())
     if key not in _OWN_ROWS:
         _OWN_ROWS[key] = faster_own_rows(linears)
     return _OWN_ROWS[key]

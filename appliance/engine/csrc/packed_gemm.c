@@ -1,4 +1,5 @@
-/* A float32 matmul for the few rows a decode step multiplies: y [m, n] = x [m, k] @ W^T (+ res).
+/* A float32 (and, with AVX512-BF16, bfloat16) matmul for the few rows a decode step multiplies:
+ * y [m, n] = x [m, k] @ W^T (+ res).
  *
  * W is packed once (CpuKernels.pack_gemm) into panels of NR output columns, k-major: panel p holds
  * W[p*NR + j][kk] at p*k*NR + kk*NR + j, zero-padded past n. A panel is then one contiguous
@@ -21,6 +22,9 @@
 #include <omp.h>
 #include <stdint.h>
 #include <string.h>
+#ifdef __AVX512BF16__
+#include <immintrin.h>
+#endif
 
 #ifdef __AVX512F__
 #define VL 16 /* floats per vector register */
@@ -44,11 +48,17 @@ static inline __attribute__((always_inline)) void storev(float *p, vf v) { memcp
 /* Output columns per packed panel (the Python side packs the weight to match). */
 int64_t gemm_panel_width(void) { return NR; }
 
+/* One k step's share of the `lines` cache lines from `next` (none where NULL), so that they are all
+ * prefetched, evenly, over `steps` steps; `due` counts the share owed. */
+#define PREFETCH_SHARE(next, lines, steps, due)                                                   \
+    if (next)                                                                                     \
+        for (due += lines; due >= steps; due -= steps, next += 64) __builtin_prefetch(next, 0, 3)
+
 /* out[i][0:NR] = init[i] (zero where NULL) + x[i] . panel over k steps, for `rows` rows; the
  * `lines` cache lines from `next` (none where NULL) are prefetched, spread evenly over the k steps. */
-static inline __attribute__((always_inline)) void micro(const int rows, const float *x, int64_t ldx, int64_t k,
-                                                        const float *panel, const float *next, int64_t lines,
-                                                        const float *init, int64_t ldi, float *out, int64_t ldo) {
+static inline __attribute__((always_inline)) void micro_f32(const int rows, const float *x, int64_t ldx, int64_t k,
+                                                            const float *panel, const char *next, int64_t lines,
+                                                            const float *init, int64_t ldi, float *out, int64_t ldo) {
     vf acc[MR][2];
     for (int i = 0; i < rows; i++) {
         acc[i][0] = init ? loadv(init + i * ldi) : (vf){0};
@@ -57,8 +67,7 @@ static inline __attribute__((always_inline)) void micro(const int rows, const fl
     int64_t due = 0;
     for (int64_t kk = 0; kk < k; kk++) {
         const vf b0 = loadv(panel + kk * NR), b1 = loadv(panel + kk * NR + VL);
-        if (next)
-            for (due += lines; due >= k; due -= k, next += 16) __builtin_prefetch(next, 0, 3);
+        PREFETCH_SHARE(next, lines, k, due);
         for (int i = 0; i < rows; i++) {
             const float a = x[i * ldx + kk];
             acc[i][0] += a * b0;
@@ -72,49 +81,100 @@ static inline __attribute__((always_inline)) void micro(const int rows, const fl
 }
 
 /* micro() with the row count a constant, so each case keeps its accumulators in registers. */
-static void micro_rows(int64_t rows, const float *x, int64_t ldx, int64_t k, const float *panel, const float *next,
-                       int64_t lines, const float *init, int64_t ldi, float *out, int64_t ldo) {
-    switch (rows) {
-#define CASE(R) \
-    case R: micro(R, x, ldx, k, panel, next, lines, init, ldi, out, ldo); break;
-        CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6)
+#define ROW_CASE(R, MICRO) \
+    case R: MICRO(R, x, ldx, k, panel, next, lines, init, ldi, out, ldo); break;
 #if MR > 6
-        CASE(7) CASE(8) CASE(9) CASE(10) CASE(11) CASE(12)
+#define ROW_CASES(MICRO)                                                                                            \
+    ROW_CASE(1, MICRO) ROW_CASE(2, MICRO) ROW_CASE(3, MICRO) ROW_CASE(4, MICRO) ROW_CASE(5, MICRO) ROW_CASE(6, MICRO) \
+    ROW_CASE(7, MICRO) ROW_CASE(8, MICRO) ROW_CASE(9, MICRO) ROW_CASE(10, MICRO) ROW_CASE(11, MICRO) ROW_CASE(12, MICRO)
+#else
+#define ROW_CASES(MICRO) \
+    ROW_CASE(1, MICRO) ROW_CASE(2, MICRO) ROW_CASE(3, MICRO) ROW_CASE(4, MICRO) ROW_CASE(5, MICRO) ROW_CASE(6, MICRO)
 #endif
-#undef CASE
+
+/* NAME: y [m, n] (contiguous) = x [m, k] (row stride ldx) @ W^T, plus res [m, n] (contiguous)
+ * unless NULL, in T, through MICRO; W packed as `pack_gemm` packs it (k * NR values a panel). */
+#define DEFINE_GEMM(NAME, T, MICRO)                                                                             \
+    static void NAME##_rows(int64_t rows, const T *x, int64_t ldx, int64_t k, const T *panel, const char *next,   \
+                            int64_t lines, const T *init, int64_t ldi, T *out, int64_t ldo) {                     \
+        switch (rows) { ROW_CASES(MICRO) }                                                                        \
+    }                                                                                                           \
+    void NAME(const T *x, int64_t m, int64_t k, int64_t ldx, const T *packed, int64_t n, const T *res, T *y,      \
+              int64_t threads) {                                                                                \
+        const int64_t panels = (n + NR - 1) / NR, blocks = (m + MR - 1) / MR;                                   \
+        const int64_t panel_lines = k * NR * (int64_t)sizeof(T) / 64;                                           \
+        if (threads > panels) threads = panels;                                                                 \
+        _Pragma("omp parallel num_threads(threads)") {                                                          \
+            const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();                                 \
+            const int64_t first = panels * t / nt, last = panels * (t + 1) / nt;                                \
+            for (int64_t p = first; p < last; p++) {                                                            \
+                const T *panel = packed + p * k * NR;                                                           \
+                const char *next = p + 1 < last ? (const char *)(panel + k * NR) : NULL;                        \
+                const int64_t col = p * NR, width = n - col < NR ? n - col : NR;                                \
+                if (width < NR) { /* the last, partial panel: through a full-width scratch tile */              \
+                    T tile[MR * NR];                                                                            \
+                    for (int64_t b = 0, row = 0, rows; b < blocks; b++, row += rows) {                          \
+                        rows = m * (b + 1) / blocks - row;                                                      \
+                        if (res)                                                                                \
+                            for (int i = 0; i < rows; i++)                                                      \
+                                memcpy(tile + i * NR, res + (row + i) * n + col, width * sizeof(T));            \
+                        NAME##_rows(rows, x + row * ldx, ldx, k, panel, NULL, 0, res ? tile : NULL, NR, tile, NR); \
+                        for (int i = 0; i < rows; i++) memcpy(y + (row + i) * n + col, tile + i * NR, width * sizeof(T)); \
+                    }                                                                                           \
+                    continue;                                                                                   \
+                }                                                                                               \
+                for (int64_t b = 0, row = 0, rows; b < blocks; b++, row += rows) {                              \
+                    rows = m * (b + 1) / blocks - row; /* rows spread evenly over the blocks */                 \
+                    /* block b prefetches its share of the next panel, so the stream runs under every block */  \
+                    const int64_t lo = panel_lines * b / blocks, hi = panel_lines * (b + 1) / blocks;           \
+                    NAME##_rows(rows, x + row * ldx, ldx, k, panel, next ? next + lo * 64 : NULL, hi - lo,      \
+                                res ? res + row * n + col : NULL, n, y + row * n + col, n);                     \
+                }                                                                                               \
+            }                                                                                                   \
+        }                                                                                                       \
+    }
+
+DEFINE_GEMM(gemm_f32, float, micro_f32)
+
+#ifdef __AVX512BF16__
+/* bfloat16 (AVX512-BF16): W packed in k pairs (panel p holds W[p*NR + j][2q + e] at
+ * p*k*NR + q*2*NR + 2j + e), so that one `vdpbf16ps` multiplies a broadcast pair of x by 16
+ * columns' pairs and adds both products to their float32 sums; the sums start from res, and are
+ * rounded to bfloat16 (to nearest even) once, at the end. k must be even. */
+typedef uint16_t bf16_t;
+
+static inline __attribute__((always_inline)) __m512 load_bf16(const bf16_t *p) {
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+static inline __attribute__((always_inline)) void micro_bf16(const int rows, const bf16_t *x, int64_t ldx, int64_t k,
+                                                             const bf16_t *panel, const char *next, int64_t lines,
+                                                             const bf16_t *init, int64_t ldi, bf16_t *out, int64_t ldo) {
+    __m512 acc[MR][2];
+    for (int i = 0; i < rows; i++) {
+        acc[i][0] = init ? load_bf16(init + i * ldi) : _mm512_setzero_ps();
+        acc[i][1] = init ? load_bf16(init + i * ldi + 16) : _mm512_setzero_ps();
+    }
+    const int64_t pairs = k / 2;
+    int64_t due = 0;
+    for (int64_t q = 0; q < pairs; q++) {
+        const __m512bh b0 = (__m512bh)_mm512_loadu_si512(panel + q * 2 * NR);
+        const __m512bh b1 = (__m512bh)_mm512_loadu_si512(panel + q * 2 * NR + 32);
+        PREFETCH_SHARE(next, lines, pairs, due);
+        for (int i = 0; i < rows; i++) {
+            int32_t pair;
+            memcpy(&pair, x + i * ldx + 2 * q, sizeof pair);
+            const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+            acc[i][0] = _mm512_dpbf16_ps(acc[i][0], a, b0);
+            acc[i][1] = _mm512_dpbf16_ps(acc[i][1], a, b1);
+        }
+    }
+    for (int i = 0; i < rows; i++) {
+        _mm256_storeu_si256((__m256i *)(out + i * ldo), (__m256i)_mm512_cvtneps_pbh(acc[i][0]));
+        _mm256_storeu_si256((__m256i *)(out + i * ldo + 16), (__m256i)_mm512_cvtneps_pbh(acc[i][1]));
     }
 }
 
-/* y [m, n] (contiguous) = x [m, k] (row stride ldx) @ W^T, plus res [m, n] (contiguous) unless NULL. */
-void gemm_f32(const float *x, int64_t m, int64_t k, int64_t ldx, const float *packed, int64_t n,
-              const float *res, float *y, int64_t threads) {
-    const int64_t panels = (n + NR - 1) / NR, blocks = (m + MR - 1) / MR, panel_lines = k * NR / 16;
-    if (threads > panels) threads = panels;
-#pragma omp parallel num_threads(threads)
-    {
-        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-        const int64_t first = panels * t / nt, last = panels * (t + 1) / nt;
-        for (int64_t p = first; p < last; p++) {
-            const float *panel = packed + p * k * NR, *next = p + 1 < last ? panel + k * NR : NULL;
-            const int64_t col = p * NR, width = n - col < NR ? n - col : NR;
-            if (width < NR) { /* the last, partial panel: through a full-width scratch tile */
-                float tile[MR * NR];
-                for (int64_t b = 0, row = 0, rows; b < blocks; b++, row += rows) {
-                    rows = m * (b + 1) / blocks - row;
-                    if (res)
-                        for (int i = 0; i < rows; i++) memcpy(tile + i * NR, res + (row + i) * n + col, width * sizeof(float));
-                    micro_rows(rows, x + row * ldx, ldx, k, panel, NULL, 0, res ? tile : NULL, NR, tile, NR);
-                    for (int i = 0; i < rows; i++) memcpy(y + (row + i) * n + col, tile + i * NR, width * sizeof(float));
-                }
-                continue;
-            }
-            for (int64_t b = 0, row = 0, rows; b < blocks; b++, row += rows) {
-                rows = m * (b + 1) / blocks - row; /* rows spread evenly over the blocks */
-                /* block b prefetches its share of the next panel's lines, so the stream runs under every block */
-                const int64_t lo = panel_lines * b / blocks, hi = panel_lines * (b + 1) / blocks;
-                micro_rows(rows, x + row * ldx, ldx, k, panel, next ? next + lo * 16 : NULL, hi - lo,
-                           res ? res + row * n + col : NULL, n, y + row * n + col, n);
-            }
-        }
-    }
-}
+DEFINE_GEMM(gemm_bf16, bf16_t, micro_bf16)
+#endif
