@@ -73,6 +73,32 @@ def test_packed_linear_runs_plain_f_linear_up_to_its_plain_rows():
         linear(torch.randn(3, 40))
 
 
+@pytest.mark.parametrize("times, rows", [
+    ([1.0, 2.0, 1.0, 2.0], 2),  # BLAS wins at one and at two rows
+    ([1.0, 2.0, 1.9, 2.0], 1),  # at one row only
+    ([0.9, 1.0, 0.1, 1.0], 0),  # not by PLAIN_MARGIN at one row: two rows are not tried
+])
+def test_plain_rows_count_up_while_blas_wins_by_the_margin(times, rows):
+    linear = fast_llama.PackedLinear(torch.randn(64, 32))
+    clock = iter(times)
+
+    def timed(fns):  # runs the calls (they must work) and reports the scripted times
+        for fn in fns:
+            fn()
+        return [next(clock) for _ in fns]
+
+    assert fast_llama.faster_plain_rows(linear, timed) == rows
+    assert fast_llama.faster_plain_rows(fast_llama.PackedLinear(torch.randn(8, 8, dtype=torch.float16)), timed) == 0
+
+
+def test_the_forward_applies_its_timed_plain_rows_to_every_matmul(loaded_model):
+    forward = fast_llama.FastLlamaForward(loaded_model.model)
+    assert forward.plain_rows in (0, *fast_llama.PLAIN_ROWS_TRIED)
+    assert {lin.plain_rows for lin in forward.linears()} == {forward.plain_rows}
+    assert forward.own_rows == 0 and all(lin.own is None for lin in forward.linears())  # no kernels, no own GEMM
+    assert len(forward.linears()) == 4 * len(forward.layers) + 1
+
+
 @pytest.mark.parametrize("wins", [3, 0])  # the own GEMM wins (the last time a tie) at the first counts tried, or at none
 def test_own_rows_count_up_while_the_own_gemm_wins(kernel, wins):
     times = [1.0, 2.0] * (wins - 1) + [1.0, 1.0] if wins else []

@@ -79,6 +79,11 @@ class CpuKernels:
                 and num_heads // kv_heads <= self.max_group and head_dim <= self.max_dim
                 and head_dim % self.dim_multiple == 0)
 
+    @property
+    def gemm_dtypes(self) -> frozenset[torch.dtype]:
+        """The dtypes `gemm` was built for: float32, and bfloat16 where the compiler targeted AVX512-BF16."""
+        return frozenset(self._gemms)
+
     def supports_gemm(self, weight: torch.Tensor) -> bool:
         """Whether `gemm` takes this weight: float32, or bfloat16 with an even k where built."""
         return (weight.device.type == "cpu" and weight.dim() == 2 and weight.dtype in self._gemms
@@ -98,6 +103,7 @@ class CpuKernels:
     def gemm(self, x: torch.Tensor, packed: torch.Tensor, n: int, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x [m, k] @ W.T (+ residual [m, n]) for the W [n, k] that `packed` holds (in W's dtype; x's
         rows may be strided)."""
+        assert packed.dtype == x.dtype and (residual is None or residual.dtype == x.dtype)
         if x.stride(1) != 1:
             x = x.contiguous()
         if residual is not None:

@@ -239,8 +239,8 @@ class FastLlamaForward:
         self.lm_head = PackedLinear(model.lm_head.weight, kernels=kernels)
         self.kernels = kernels  # the runner passes them only for a dtype and device they support
         self.own_rows = own_rows_on_this_cpu([layer.gate_up for layer in self.layers])
-        for linear in self.linears():
-            linear.own_rows = self.own_rows
+        for linear in self.linears():  # a weight the kernels declined (bf16 with an odd k) has no copy
+            linear.own_rows = self.own_rows if linear.own is not None else 0
         self.plain_rows = faster_plain_rows(self.layers[0].gate_up) if self.layers else 0
         for linear in self.linears():
             linear.plain_rows = self.plain_rows

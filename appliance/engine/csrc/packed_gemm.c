@@ -2,7 +2,8 @@
  * y [m, n] = x [m, k] @ W^T (+ res).
  *
  * W is packed once (CpuKernels.pack_gemm) into panels of NR output columns, k-major: panel p holds
- * W[p*NR + j][kk] at p*k*NR + kk*NR + j, zero-padded past n. A panel is then one contiguous
+ * W[p*NR + j][kk] at p*k*NR + kk*NR + j (float32; bfloat16 in k pairs, below), zero-padded past
+ * n. A panel is then one contiguous
  * stream, read once per block of up to MR rows of x while it sits in L2. Threads split the
  * panels (each streams its own share of the weight from memory, which is what bounds a step of
  * a few rows), and every row block of a panel prefetches its share of the next panel, so the
@@ -50,9 +51,11 @@ int64_t gemm_panel_width(void) { return NR; }
 
 /* One k step's share of the `lines` cache lines from `next` (none where NULL), so that they are all
  * prefetched, evenly, over `steps` steps; `due` counts the share owed. */
-#define PREFETCH_SHARE(next, lines, steps, due)                                                   \
-    if (next)                                                                                     \
-        for (due += lines; due >= steps; due -= steps, next += 64) __builtin_prefetch(next, 0, 3)
+#define PREFETCH_SHARE(next, lines, steps, due)                                                       \
+    do {                                                                                              \
+        if (next)                                                                                     \
+            for (due += lines; due >= steps; due -= steps, next += 64) __builtin_prefetch(next, 0, 3); \
+    } while (0)
 
 /* out[i][0:NR] = init[i] (zero where NULL) + x[i] . panel over k steps, for `rows` rows; the
  * `lines` cache lines from `next` (none where NULL) are prefetched, spread evenly over the k steps. */
@@ -80,7 +83,7 @@ static inline __attribute__((always_inline)) void micro_f32(const int rows, cons
     }
 }
 
-/* micro() with the row count a constant, so each case keeps its accumulators in registers. */
+/* A micro-kernel with the row count a constant, so each case keeps its accumulators in registers. */
 #define ROW_CASE(R, MICRO) \
     case R: MICRO(R, x, ldx, k, panel, next, lines, init, ldi, out, ldo); break;
 #if MR > 6
