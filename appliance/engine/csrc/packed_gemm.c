@@ -3,23 +3,23 @@
  *
  * W is packed once (CpuKernels.pack_gemm) into panels of NR output columns, k-major: panel p holds
  * W[p*NR + j][kk] at p*k*NR + kk*NR + j (float32; bfloat16 in k pairs, below), zero-padded past
- * n. A panel is then one contiguous
- * stream, read once per block of up to MR rows of x while it sits in L2. Threads split the
- * panels (each streams its own share of the weight from memory, which is what bounds a step of
- * a few rows), and every row block of a panel prefetches its share of the next panel, so the
- * stream runs under all of the panel's arithmetic (prefetched by the first block alone, the next
- * panel arrived while that block ran and the memory idled under the others: a step's matmuls at
- * 16-64 rows took about the sum of their streaming and arithmetic times; on an Intel Xeon with
- * AVX-512, 2 cores, the spread prefetch took the model's 120 weights at 16 / 32 / 64 rows from
- * 32.3 / 42.8 / 67.5 ms to 26.5 / 36.8 / 59.5 ms). The micro-kernel keeps MR x NR outputs in
- * registers: MR = 12 with AVX-512 (24 of the 32 zmm registers), 6 with AVX2 (12 of the 16 ymm).
+ * n. A panel is then one contiguous stream, read once per block of up to MR rows of x while it
+ * sits in L2. Threads split the panels (each streams its own share of the weight from memory,
+ * which is what bounds a step of a few rows), and every row block of a panel prefetches its share
+ * of the next panel, so the stream runs under all of the panel's arithmetic (prefetched by the
+ * first block alone, the next panel arrived while that block ran and the memory idled under the
+ * others: a step's matmuls at 16-64 rows took about the sum of their streaming and arithmetic
+ * times; on an Intel Xeon with AVX-512, 2 cores, the spread prefetch took the model's 120 weights
+ * at 16 / 32 / 64 rows from 32.3 / 42.8 / 67.5 ms to 26.5 / 36.8 / 59.5 ms). The micro-kernel
+ * keeps MR x NR outputs in registers: MR = 12 with AVX-512 (24 of the 32 zmm registers), 6 with
+ * AVX2 (12 of the 16 ymm).
  *
  * At a decode step's row counts this beats oneDNN's packed matmul, which pays a per-call set-up
  * and splits the work for many rows: the model's 120 weights cold, on an AMD EPYC (Zen 3, AVX2,
  * 2 cores), 1.4-1.6x at 1-16 rows, 1.2-1.3x at 32-96, even at 128, 0.8-0.85x at 256-512 (where
- * it reaches ~100 GFLOP/s against oneDNN's 110-125). The lean forward times the two at start on
- * every layer's gate/up weight, streamed from memory as a step streams them, and uses this one up
- * to the most rows where it won (`own_rows`). */
+ * it reaches ~100 GFLOP/s against oneDNN's 110-125). The lean forward times the two once a
+ * process on every layer's gate/up weight, streamed from memory as a step streams them, and uses
+ * this one up to the most rows where it won (`own_rows`). */
 #include <omp.h>
 #include <stdint.h>
 #include <string.h>
