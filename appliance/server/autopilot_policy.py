@@ -58,6 +58,10 @@ class Spec:
     def as_dict(self) -> dict[str, Any]:
         return {"targets": dict(self.targets), "bounds": {k: list(v) for k, v in self.bounds.items()}}
 
+    def bound(self, name: str) -> tuple[int, int]:
+        """The operator's (lower, upper) bound on knob `name`; (1, 2**30) where none is set."""
+        return self.bounds.get(name, (1, 1 << 30))
+
 
 def parse_spec(text: str | Mapping[str, Any]) -> Spec:
     """"ttft_p99=1s,itl_p99=150ms,max_num_seqs=8..128" (or the same as a mapping with
@@ -327,7 +331,7 @@ def bounded_moves(knobs: Knobs, spec: Spec, wanted: Mapping[str, int], reason: s
     current = knobs.as_dict()
     changes = {}
     for name, value in wanted.items():
-        lo, hi = spec.bounds.get(name, (1, 1 << 30))
+        lo, hi = spec.bound(name)
         if (value := min(hi, max(lo, value))) != current[name]:
             changes[name] = value
     if not changes:

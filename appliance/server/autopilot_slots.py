@@ -128,13 +128,13 @@ def floored(spec: Spec, knobs: Knobs, floor: SlotsFloor) -> Spec:
     the long slots are all taken, the engine admits no prompt at all, however short (the limit
     counts every prompt still prefilling, and the long ones fill it)."""
     bounds = dict(spec.bounds)
-    lo, hi = bounds.get(KNOB, (1, 1 << 30))
+    lo, hi = spec.bound(KNOB)
     bounds[KNOB] = (max(lo, min(floor.chunk, knobs.long_prefill_token_threshold, hi)), hi)
     if floor.busy_now > 0:
-        lo, hi = bounds.get(PREFILLS, (1, 1 << 30))
+        lo, hi = spec.bound(PREFILLS)
         room = min(knobs.max_long_partial_prefills + 1, knobs.max_num_partial_prefills, hi)
         bounds[PREFILLS] = (max(lo, room), hi)
-    changed = {name: b for name, b in bounds.items() if spec.bounds.get(name, (1, 1 << 30)) != b}
+    changed = {name: b for name, b in bounds.items() if spec.bound(name) != b}
     return replace(spec, bounds={**spec.bounds, **changed}) if changed else spec
 
 
@@ -151,8 +151,8 @@ def slots_raise(knobs: Knobs, spec: Spec, floor: SlotsFloor) -> Choice | None:
            f"({knobs.max_long_partial_prefills}) busy {floor.busy_now:.0%} of the time with {chunk}-token chunks "
            f"(a prompt holds a slot while more than a chunk of it is left), "
            f"{floor.busy_at_floor:.0%} with {floor.chunk} (at most {BUSY:.0%})")
-    lo, hi = spec.bounds.get(KNOB, (1, 1 << 30))
-    wanted = min(max(lo, min(hi, floor.chunk)), spec.bounds.get(BUDGET, (1, 1 << 30))[1])
+    lo, hi = spec.bound(KNOB)
+    wanted = min(max(lo, min(hi, floor.chunk)), spec.bound(BUDGET)[1])
     budget = max(knobs.max_num_batched_tokens, wanted)  # the chunk may not pass it
     move = bounded_moves(knobs, spec, {KNOB: wanted, BUDGET: budget}, why)
     if move is None or move.changes.get(KNOB, chunk) <= chunk:

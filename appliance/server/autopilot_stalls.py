@@ -507,7 +507,7 @@ def budget_floor(spec: Spec, knobs: Knobs, raised: Mapping[str, int] | None = No
     max_num_seqs (every running sequence's decode token fits) or one chunk (`chunk`: the least a
     cut may bring the chunk down to with it; default the chunk in force), and not under the
     budget now while the autopilot's raise of it is in force (`raised`, see `kept_raise`)."""
-    return max(1, spec.bounds.get(BUDGET, (1, 0))[0], knobs.max_num_seqs,
+    return max(1, spec.bound(BUDGET)[0], knobs.max_num_seqs,
                knobs.long_prefill_token_threshold if chunk is None else chunk, kept_raise(knobs, BUDGET, raised))
 
 
@@ -515,14 +515,14 @@ def prefills_floor(spec: Spec, knobs: Knobs, raised: Mapping[str, int] | None = 
     """The fewest prompts prefilled at once a cut goes to: the operator's lower bound, never under
     max_long_partial_prefills (the limit on long ones among them), and not under the limit now
     while the autopilot's raise of it is in force (`raised`, see `kept_raise`)."""
-    return max(1, spec.bounds.get(PREFILLS, (1, 0))[0], knobs.max_long_partial_prefills,
+    return max(1, spec.bound(PREFILLS)[0], knobs.max_long_partial_prefills,
                kept_raise(knobs, PREFILLS, raised))
 
 
 def seqs_floor(spec: Spec, knobs: Knobs, raised: Mapping[str, int] | None = None) -> int:
     """The smallest max_num_seqs a cut goes to: the operator's lower bound, and not under the
     limit now while the autopilot's raise of it is in force (`raised`, see `kept_raise`)."""
-    return max(1, spec.bounds.get(SEQS, (1, 0))[0], kept_raise(knobs, SEQS, raised))
+    return max(1, spec.bound(SEQS)[0], kept_raise(knobs, SEQS, raised))
 
 
 def floor_of(spec: Spec, fixed: Mapping[str, Any], knobs: Knobs | None = None,
@@ -531,7 +531,7 @@ def floor_of(spec: Spec, fixed: Mapping[str, Any], knobs: Knobs | None = None,
     (smaller chunks pay a step's fixed cost for a sliver of a prompt), and never under a raise
     of the chunk in force (`kept_raise`: benchmarks/autopilot.py run 101, the chunk 64→96 for a
     TTFT p99 of 7.6 s and a stall cut back to 64 eleven seconds later)."""
-    floor = max(spec.bounds.get(KNOB, (1, 0))[0], kv_block(fixed))
+    floor = max(spec.bound(KNOB)[0], kv_block(fixed))
     return floor if knobs is None else max(floor, kept_raise(knobs, KNOB, raised))
 
 
