@@ -270,7 +270,7 @@ def test_bfloat16_kernels_are_as_close_to_float32_as_the_torch_path(loaded_model
     errors = {}
     for kernels in (True, False):
         runner = ModelRunner(loaded, num_blocks=256, block_size=16, use_kernels=kernels)
-        assert (runner.decode_kernel is not None) == kernels
+        assert (runner.attention_kernel is not None) == kernels
         if own_rows is not None and kernels:
             assert runner.fast.own_rows == own_rows
         logits = _teacher_forced_logits(runner, prompts, continuations)

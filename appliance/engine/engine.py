@@ -79,7 +79,7 @@ class LLMEngine:
                 f"{self.loaded.model.config.max_position_embeddings}, KV cache {capacity} tokens"
             )
         self.max_model_len = config.max_model_len or limit
-        self.cpu_kernels = self.runner.decode_kernel is not None  # in effect (built and supported)
+        self.cpu_kernels = self.runner.attention_kernel is not None  # in effect (built and supported)
         self.knob_state = KnobState(config.knobs)  # the one owner of the knobs, their version and history
         self.scheduler = Scheduler(self.block_manager, self.knob_state.knobs)  # told of each change
         self.iteration = 0

@@ -14,8 +14,8 @@ import torch
 from ..model_loader import LoadedModel
 from . import cpu_kernels, fast_llama
 from .fast_llama import FastLlamaForward
-from .paged_attention import (ATTN_IMPLEMENTATION, AttentionMetadata, BlockGather, DecodeGroup, KernelDecode, PrefillSpan,
-                              prefix_mask)
+from .paged_attention import (ATTN_IMPLEMENTATION, AttentionMetadata, BlockGather, DecodeGroup, KernelRows, PrefillSpan,
+                              kernel_prefill_faster, prefix_mask)
 from .scheduler import SchedulerOutput
 
 log = logging.getLogger(__name__)
@@ -63,12 +63,15 @@ class ModelRunner:
         cfg = self.model.config
         attention_ok = kernels is not None and kernels.supports_attention(
             loaded.dtype, self.device, cfg.num_attention_heads, self.spec.num_kv_heads, self.spec.head_dim)
-        self.decode_kernel = kernels if attention_ok else None
+        self.attention_kernel = kernels if attention_ok else None
+        self.prefill_by_kernel = attention_ok and kernel_prefill_faster(
+            kernels, loaded.dtype, cfg.num_attention_heads, self.spec.num_kv_heads, self.spec.head_dim, block_size)
         self.fast = FastLlamaForward(self.model, kernels) if fast_forward and fast_llama.supports(self.model) else None
-        log.info("forward: %s%s; decode attention: %s",
+        log.info("forward: %s%s; attention: decode %s, prefill %s",
                  "lean llama forward" if self.fast else f"transformers {type(self.model).__name__}",
                  " with C elementwise kernels" if self.fast and kernels else "",
-                 "C kernel over the paged cache" if self.decode_kernel else "SDPA over gathered blocks")
+                 "by the C kernel over the paged cache" if self.attention_kernel else "by SDPA over gathered blocks",
+                 "by the C kernel (it beat SDPA on this CPU)" if self.prefill_by_kernel else "by SDPA")
         # One extra block at the end is scratch space for padding rows; it is never handed out.
         slots = (num_blocks + 1) * block_size
         self.scratch_slot = num_blocks * block_size
@@ -119,10 +122,7 @@ class ModelRunner:
         sample_indices.extend(index_of[id(item)] for item in decodes)
 
         tables = [item.seq.block_table for item in decodes] + [[]] * sched.padding_rows  # padding: scratch only
-        if self.decode_kernel is not None:
-            groups, kernel_decode = [], self._kernel_decode(tables, ctx_lens)
-        else:
-            groups, kernel_decode = self._decode_groups(tables, ctx_lens), None
+        groups = self._decode_groups(tables, ctx_lens) if self.attention_kernel is None else []
 
         spans: list[PrefillSpan] = []
         for item in prefills:
@@ -132,7 +132,10 @@ class ModelRunner:
             input_ids.extend(seq.tokens(start, start + n))
             positions.extend(range(start, start + n))
             slot_mapping.extend(self._slots(seq.block_table, start, start + n))
-            if start > 0:
+            if self.prefill_by_kernel:  # the kernel's rows: one query per token over its context up to itself
+                tables.extend([seq.block_table] * n)
+                ctx_lens.extend(range(start + 1, start + n + 1))
+            elif start > 0:
                 width = -(-(start + n) // self.block_size)
                 spans.append(PrefillSpan(row, n, self._block_gather([seq.block_table], width),
                                          prefix_mask(start, n, width * self.block_size, self.spec.dtype, self.device)))
@@ -145,7 +148,7 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device),
             decode_groups=groups,
-            kernel_decode=kernel_decode,
+            kernel_rows=self._kernel_rows(tables, ctx_lens) if self.attention_kernel is not None else None,
             prefills=spans,
             kv_caches=self.kv_caches,
             gather_buffers=self._buffers_for([g.context for g in groups] + [s.context for s in spans if s.context]),
@@ -174,13 +177,13 @@ class ModelRunner:
             groups.append(DecodeGroup(start, self._block_gather(tables[start:end], width), mask))
         return groups
 
-    def _kernel_decode(self, tables: list[list[int]], ctx_lens: list[int]) -> KernelDecode | None:
-        """Block tables and context lengths of every decode row, for the C kernel."""
+    def _kernel_rows(self, tables: list[list[int]], ctx_lens: list[int]) -> KernelRows | None:
+        """Block tables and context lengths of the rows the C kernel attends."""
         if not ctx_lens:
             return None
         width = -(-max(ctx_lens) // self.block_size)
-        return KernelDecode(self.decode_kernel, self._padded_tables(tables, width),
-                            torch.tensor(ctx_lens, dtype=torch.long, device=self.device))
+        return KernelRows(self.attention_kernel, self._padded_tables(tables, width),
+                          torch.tensor(ctx_lens, dtype=torch.long, device=self.device))
 
     def _block_gather(self, tables: list[list[int]], width: int) -> BlockGather:
         """The first `width` blocks of each table (padded with the scratch block), for every KV head."""
@@ -188,9 +191,14 @@ class ModelRunner:
         return BlockGather((heads[:, None, None] + self._padded_tables(tables, width)).flatten(), len(tables), width)
 
     def _padded_tables(self, tables: list[list[int]], width: int) -> torch.Tensor:
-        """[rows, width] int64: each table's first `width` blocks, padded with the scratch block."""
+        """[rows, width] int64: each table's first `width` blocks, padded with the scratch block (a
+        table listed for many rows, as for a prefill chunk's, is converted once)."""
         scratch = [self.num_blocks] * width
-        return torch.tensor([(t[:width] + scratch)[:width] for t in tables], dtype=torch.long, device=self.device)
+        first: dict[int, int] = {}  # id of a table -> its row among the distinct ones
+        rows = [first.setdefault(id(t), len(first)) for t in tables]
+        distinct = {id(t): t for t in tables}.values()
+        padded = torch.tensor([(t[:width] + scratch)[:width] for t in distinct], dtype=torch.long, device=self.device)
+        return padded if len(rows) == len(first) else padded[torch.tensor(rows, device=self.device)]
 
     def _buffers_for(self, gathers: list[BlockGather]) -> tuple[torch.Tensor, torch.Tensor]:
         """Scratch for the largest of this step's gathers; kept (and only grown) across steps."""
