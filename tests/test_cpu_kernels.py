@@ -60,12 +60,13 @@ def _reference(q, k_cache, v_cache, tables, ctx_lens, block_size, scale):
         (torch.bfloat16, 8, 1, 80, 5, [7, 31, 32, 96]),  # 80 = five 16-value vectors: an odd count (AVX512-BF16's pairs)
     ],
 )
-def test_kernel_matches_dense_attention(kernel, dtype, heads, kv_heads, head_dim, block_size, ctx_lens):
+@pytest.mark.parametrize("cold_rows", [None, 0, 2])  # every row's context prefetched ahead, none, the first two
+def test_kernel_matches_dense_attention(kernel, dtype, heads, kv_heads, head_dim, block_size, ctx_lens, cold_rows):
     q, k_cache, v_cache, tables, block_tables = _case(dtype, heads, kv_heads, head_dim, block_size, ctx_lens)
     assert kernel.supports_attention(dtype, torch.device("cpu"), heads, kv_heads, head_dim)
     scale = head_dim**-0.5
     out = torch.empty_like(q)
-    kernel.paged_decode(q, k_cache, v_cache, block_tables, torch.tensor(ctx_lens), block_size, scale, out)
+    kernel.paged_decode(q, k_cache, v_cache, block_tables, torch.tensor(ctx_lens), block_size, scale, out, cold_rows)
     expected = _reference(q, k_cache, v_cache, tables, ctx_lens, block_size, scale)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)

@@ -48,7 +48,7 @@ def test_a_chunk_attends_its_prefix_and_itself_and_nothing_past_its_context(kern
                              kv_caches=[(k_cache, v_cache)], gather_buffers=buffers, block_size=BLOCK)
     if path == "kernel":  # the chunk's rows share its table; row j sees prefix + j + 1 slots
         meta.prefills = []
-        meta.kernel_rows = KernelRows(kernels, torch.tensor([table] * chunk), torch.arange(prefix + 1, ctx + 1))
+        meta.kernel_rows = KernelRows(kernels, torch.tensor([table] * chunk), torch.arange(prefix + 1, ctx + 1), 0)
     out = paged_attention(0, q, keys[prefix:], values[prefix:], meta, None)
 
     causal = torch.arange(ctx)[None, :] <= torch.arange(prefix, ctx)[:, None]

@@ -40,7 +40,7 @@ LINK_FLAGS = ["-shared", "-fopenmp"]
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
-    "paged_decode": [_P, _I, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I, _F, _P, _I],
+    "paged_decode": [_P, _I, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I, _I, _F, _P, _I],
     "rms_norm": [_P, _P, _F, _I, _I, _P, _I],
     "rotary": [_P, _I, _I, _I, _I, _P, _P, _I],
     "silu_mul": [_P, _I, _I, _P, _I],
@@ -114,8 +114,12 @@ class CpuKernels:
         return out
 
     def paged_decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                     ctx_lens: torch.Tensor, block_size: int, scale: float, out: torch.Tensor) -> None:
-        """out[i] = softmax(q[i] . K_i^T * scale) V_i, K_i/V_i read through row i's block table.
+                     ctx_lens: torch.Tensor, block_size: int, scale: float, out: torch.Tensor,
+                     cold_rows: int | None = None) -> None:
+        """out[i] = softmax(q[i] . K_i^T * scale) V_i, K_i/V_i the first ctx_lens[i] slots read
+        through row i's block table; the first `cold_rows` rows (all by default: decode rows, each
+        its own context) are prefetched ahead, the rest (a prefill chunk's rows, sharing one
+        context that stays in cache) are not.
 
         q [rows, H, D] (any row/head strides, D contiguous), out [rows, H, D], caches [KVH, slots, D],
         block_tables [rows, width] and ctx_lens [rows] int64."""
@@ -125,7 +129,8 @@ class CpuKernels:
         assert block_tables.dtype == ctx_lens.dtype == torch.int64 and out.dtype == q.dtype == k_cache.dtype
         self._fns["paged_decode", q.dtype](
             q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
-            block_tables.shape[1], ctx_lens.data_ptr(), rows, num_heads, kv_heads, head_dim, block_size, slots,
+            block_tables.shape[1], ctx_lens.data_ptr(), rows, rows if cold_rows is None else cold_rows, num_heads,
+            kv_heads, head_dim, block_size, slots,
             scale, out.data_ptr(), torch.get_num_threads())
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -148,7 +148,8 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device),
             decode_groups=groups,
-            kernel_rows=self._kernel_rows(tables, ctx_lens) if self.attention_kernel is not None else None,
+            kernel_rows=self._kernel_rows(tables, ctx_lens, len(decodes) + sched.padding_rows)
+            if self.attention_kernel is not None else None,
             prefills=spans,
             kv_caches=self.kv_caches,
             gather_buffers=self._buffers_for([g.context for g in groups] + [s.context for s in spans if s.context]),
@@ -177,13 +178,14 @@ class ModelRunner:
             groups.append(DecodeGroup(start, self._block_gather(tables[start:end], width), mask))
         return groups
 
-    def _kernel_rows(self, tables: list[list[int]], ctx_lens: list[int]) -> KernelRows | None:
-        """Block tables and context lengths of the rows the C kernel attends."""
+    def _kernel_rows(self, tables: list[list[int]], ctx_lens: list[int], decode_rows: int) -> KernelRows | None:
+        """Block tables and context lengths of the rows the C kernel attends (the first `decode_rows`
+        decode and padding rows, then any prefill chunks' rows)."""
         if not ctx_lens:
             return None
         width = -(-max(ctx_lens) // self.block_size)
         return KernelRows(self.attention_kernel, self._padded_tables(tables, width),
-                          torch.tensor(ctx_lens, dtype=torch.long, device=self.device))
+                          torch.tensor(ctx_lens, dtype=torch.long, device=self.device), decode_rows)
 
     def _block_gather(self, tables: list[list[int]], width: int) -> BlockGather:
         """The first `width` blocks of each table (padded with the scratch block), for every KV head."""

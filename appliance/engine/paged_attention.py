@@ -71,6 +71,7 @@ class KernelRows:
     kernels: CpuKernels
     block_tables: torch.Tensor  # [rows, width] int64, padded with the scratch block
     ctx_lens: torch.Tensor  # [rows] int64
+    decode_rows: int  # the first rows, decode and padding: each reads a context of its own (prefetched)
 
     @property
     def rows(self) -> int:
@@ -127,7 +128,7 @@ def paged_attention(
         dec = meta.kernel_rows
         scale = scaling if scaling is not None else head_dim**-0.5  # SDPA's default
         dec.kernels.paged_decode(q[: dec.rows], k_cache, v_cache, dec.block_tables, dec.ctx_lens, meta.block_size,
-                                 scale, out[: dec.rows])
+                                 scale, out[: dec.rows], cold_rows=dec.decode_rows)
     for group in meta.decode_groups:
         # The query heads that share a KV head become extra "query rows": no KV repeat needed.
         n = group.context.rows
@@ -183,7 +184,7 @@ def _time_prefill(kernels: CpuKernels, dtype: torch.dtype, num_heads: int, kv_he
         ctx, width = prefix + chunk, -(-(prefix + chunk) // block_size)
         slots = (table[torch.arange(prefix, ctx) // block_size] * block_size + torch.arange(prefix, ctx) % block_size)
         q, k, v = (torch.randn(chunk, h, head_dim, generator=gen).to(dtype) for h in (num_heads, kv_heads, kv_heads))
-        by_kernel = KernelRows(kernels, table[:width].expand(chunk, width).contiguous(), torch.arange(prefix + 1, ctx + 1))
+        by_kernel = KernelRows(kernels, table[:width].expand(chunk, width).contiguous(), torch.arange(prefix + 1, ctx + 1), 0)
         gather = BlockGather((heads[:, None, None] + table[None, :width]).flatten(), 1, width) if prefix else None
         span = PrefillSpan(0, chunk, gather, prefix_mask(prefix, chunk, width * block_size, dtype, "cpu") if prefix else None)
         for kernel, meta in ((True, AttentionMetadata(slots, [], by_kernel, [], caches, buffers, block_size)),

@@ -4,7 +4,9 @@
  *   block straight from the paged KV cache (no gathered copy), online softmax, OpenMP over
  *   (row, KV head); the query heads that share a KV head are served by one pass over it, in
  *   16-float vectors (head_dim a multiple of 16). Each 16 tokens' scores of a query head are
- *   folded into one vector (transpose_sum16) and exponentiated together (exp16).
+ *   folded into one vector (transpose_sum16) and exponentiated together (exp16). A row is a
+ *   decode row or one of a prefill chunk's (a query over its sequence's slots up to itself); the
+ *   first `cold_rows` rows' contexts are prefetched ahead (see prefetch_token).
  * - rms_norm_*, rotary_*, silu_mul_*: the llama layer's elementwise work, one pass each where
  *   torch needs five to eight kernels (and as many passes over memory), in 16-float vectors;
  *   silu_mul with exp16 and recip16.
@@ -221,10 +223,41 @@ static inline __attribute__((always_inline)) void walk_slots(const int64_t *tabl
     }
 }
 
-/* Asks for a cached row's lines ahead of use: the blocks of a row's context lie anywhere in the
- * cache, a few KB each, too short and scattered for the hardware prefetchers to run ahead. */
-static inline __attribute__((always_inline)) void prefetch_row(const void *p, int64_t bytes) {
-    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch((const char *)p + b);
+/* Prefetching a decode row's context ahead of use: its blocks lie anywhere in the cache, a few KB
+ * each, too short and scattered for the hardware prefetchers to run ahead, and cold (a step
+ * streams the weights between two reads of a layer's cache). Two walks over the row's tokens run
+ * ahead of the one that computes: into L1 PREFETCH_NEAR tokens ahead, into L2 PREFETCH_FAR ahead
+ * (64 rows of 160-600 tokens, head size 64, scattered blocks, cold: 1.2-1.26x faster in bfloat16
+ * and 1.04-1.11x in float32 than with the next chunk's keys alone asked for into L1, on an AMD
+ * EPYC Zen 5). A prefill chunk's rows read one context that their neighbours keep in cache:
+ * prefetching there only costs instructions (16-22 %), so those rows skip it. */
+#define PREFETCH_NEAR 16
+#define PREFETCH_FAR 64
+
+typedef struct {
+    int64_t blk, off, token; /* the walk's next token: its block in the row's table, its offset there */
+} token_walk;
+
+/* Asks for the key and value rows (`row_bytes` each) of the walk's next token, into L1, or into L2
+ * where `far`; then steps the walk. */
+static inline __attribute__((always_inline)) void prefetch_token(token_walk *w, const int64_t *table, int64_t block_size,
+                                                                 int64_t row_bytes, const char *k, const char *v,
+                                                                 const int far) {
+    const int64_t at = (table[w->blk] * block_size + w->off) * row_bytes;
+    for (int64_t b = 0; b < row_bytes; b += 64) {
+        if (far) {
+            __builtin_prefetch(k + at + b, 0, 2);
+            __builtin_prefetch(v + at + b, 0, 2);
+        } else {
+            __builtin_prefetch(k + at + b, 0, 3);
+            __builtin_prefetch(v + at + b, 0, 3);
+        }
+    }
+    if (++w->off == block_size) {
+        w->off = 0;
+        ++w->blk;
+    }
+    ++w->token;
 }
 
 /* The decode kernel's query-key products. query_*: a query head's row as score_* reads it (in
@@ -276,7 +309,7 @@ DEFINE_SCORE(bf16, bf16_t)
 #define DEFINE_PAGED_DECODE(NAME, T, SUFFIX, STORE)                                                  \
     static inline __attribute__((always_inline)) void NAME##_item(                                   \
         const T *q, int64_t q_row_stride, int64_t q_head_stride, const T *k_cache, const T *v_cache, \
-        const int64_t *block_tables, int64_t table_width, const int64_t *ctx_lens, int64_t kv_heads, \
+        const int64_t *block_tables, int64_t table_width, const int64_t *ctx_lens, int64_t cold_rows, int64_t kv_heads, \
         const int64_t D, const int64_t G, int64_t block_size, int64_t num_slots, float scale,       \
         T *out, int64_t item) {                                                                      \
         const int64_t nv = D / LANES;                                                                \
@@ -285,7 +318,7 @@ DEFINE_SCORE(bf16, bf16_t)
         const T *kh = k_cache + h * num_slots * D, *vh = v_cache + h * num_slots * D;                \
         v16f qv[MAX_GROUP][MAX_DIM / LANES], acc[MAX_GROUP][MAX_DIM / LANES], dots[MAX_GROUP][LANES]; \
         float s[MAX_GROUP][CHUNK], m[MAX_GROUP], l[MAX_GROUP];                                       \
-        int64_t slots[2][CHUNK], blk = 0, off = 0; /* tokens' cache offsets: this chunk's, the next's */ \
+        int64_t slots[CHUNK], blk = 0, off = 0; /* this chunk's tokens' cache offsets */               \
         v16i lane;                                                                                   \
         for (int e = 0; e < LANES; e++) lane[e] = e;                                                 \
         for (int64_t g = 0; g < G; g++) {                                                            \
@@ -295,15 +328,20 @@ DEFINE_SCORE(bf16, bf16_t)
             m[g] = -3.0e38f; /* finite: -ffast-math assumes no infinities */                         \
             l[g] = 0.f;                                                                              \
         }                                                                                            \
-        walk_slots(table, block_size, D, ctx < CHUNK ? ctx : CHUNK, &blk, &off, slots[0]);           \
-        for (int64_t t0 = 0, c = 0; t0 < ctx; t0 += CHUNK, c ^= 1) {                                 \
-            const int64_t n = ctx - t0 < CHUNK ? ctx - t0 : CHUNK, rest = ctx - t0 - n;              \
-            const int64_t n_next = rest < CHUNK ? rest : CHUNK, *slot = slots[c];                    \
-            int64_t *next = slots[c ^ 1];                                                            \
-            walk_slots(table, block_size, D, n_next, &blk, &off, next);                              \
+        const int cold = i < cold_rows;                                                              \
+        const int64_t row_bytes = D * (int64_t)sizeof(T);                                            \
+        token_walk near = {0, 0, 0}, far = {0, 0, 0};                                                \
+        const char *kb = (const char *)kh, *vb = (const char *)vh;                                   \
+        while (cold && far.token < ctx && far.token < PREFETCH_FAR) /* the first tokens, at once */  \
+            prefetch_token(&far, table, block_size, row_bytes, kb, vb, 1);                           \
+        while (cold && near.token < ctx && near.token < PREFETCH_NEAR)                               \
+            prefetch_token(&near, table, block_size, row_bytes, kb, vb, 0);                          \
+        for (int64_t t0 = 0; t0 < ctx; t0 += CHUNK) {                                                \
+            const int64_t n = ctx - t0 < CHUNK ? ctx - t0 : CHUNK, *slot = slots;                    \
+            walk_slots(table, block_size, D, n, &blk, &off, slots);                                  \
             for (int64_t t = 0; t < n; t++) { /* each key row loaded once for the group */           \
-                prefetch_row(vh + slot[t], D * (int64_t)sizeof(T)); /* read after the softmax */     \
-                if (t < n_next) prefetch_row(kh + next[t], D * (int64_t)sizeof(T));                  \
+                if (cold && near.token < ctx) prefetch_token(&near, table, block_size, row_bytes, kb, vb, 0); \
+                if (cold && far.token < ctx) prefetch_token(&far, table, block_size, row_bytes, kb, vb, 1); \
                 score_##SUFFIX((const v16f(*)[MAX_DIM / LANES])qv, G, kh + slot[t], nv, dots, t);    \
             }                                                                                        \
             const v16i live = lane < (int32_t)n;                                                     \
@@ -334,7 +372,7 @@ DEFINE_SCORE(bf16, bf16_t)
     }                                                                                                \
     void NAME(const T *q, int64_t q_row_stride, int64_t q_head_stride, const T *k_cache,             \
               const T *v_cache, const int64_t *block_tables, int64_t table_width,                   \
-              const int64_t *ctx_lens, int64_t rows, int64_t num_heads, int64_t kv_heads,            \
+              const int64_t *ctx_lens, int64_t rows, int64_t cold_rows, int64_t num_heads, int64_t kv_heads, \
               int64_t head_dim, int64_t block_size, int64_t num_slots, float scale, T *out,          \
               int64_t threads) {                                                                     \
         int64_t context = 0; /* cached tokens read, over all rows */                                 \
@@ -347,7 +385,7 @@ DEFINE_SCORE(bf16, bf16_t)
             PAGED_DECODE_CASES_128(NAME)                                                             \
             default:                                                                                 \
                 NAME##_item(q, q_row_stride, q_head_stride, k_cache, v_cache, block_tables, table_width, \
-                            ctx_lens, kv_heads, head_dim, group, block_size, num_slots, scale, out, item); \
+                            ctx_lens, cold_rows, kv_heads, head_dim, group, block_size, num_slots, scale, out, item); \
             }                                                                                        \
         }                                                                                            \
     }
@@ -357,7 +395,7 @@ DEFINE_SCORE(bf16, bf16_t)
 #define PAGED_DECODE_CASE(NAME, D, G)                                                                \
     case D * MAX_GROUP + G:                                                                          \
         NAME##_item(q, q_row_stride, q_head_stride, k_cache, v_cache, block_tables, table_width,     \
-                    ctx_lens, kv_heads, D, G, block_size, num_slots, scale, out, item);              \
+                    ctx_lens, cold_rows, kv_heads, D, G, block_size, num_slots, scale, out, item);   \
         break;
 #define PAGED_DECODE_CASES_64(NAME)                                                                  \
     PAGED_DECODE_CASE(NAME, 64, 1) PAGED_DECODE_CASE(NAME, 64, 2) PAGED_DECODE_CASE(NAME, 64, 3)     \
