@@ -60,25 +60,25 @@ def _reference(q, k_cache, v_cache, tables, ctx_lens, block_size, scale):
         (torch.bfloat16, 8, 1, 80, 5, [7, 31, 32, 96]),  # 80 = five 16-value vectors: an odd count (AVX512-BF16's pairs)
     ],
 )
-@pytest.mark.parametrize("cold_rows", [None, 0, 2])  # every row's context prefetched ahead, none, the first two
+@pytest.mark.parametrize("cold_rows", [None, 2])  # every row's context prefetched ahead; the first two only
 def test_kernel_matches_dense_attention(kernel, dtype, heads, kv_heads, head_dim, block_size, ctx_lens, cold_rows):
     q, k_cache, v_cache, tables, block_tables = _case(dtype, heads, kv_heads, head_dim, block_size, ctx_lens)
     assert kernel.supports_attention(dtype, torch.device("cpu"), heads, kv_heads, head_dim)
     scale = head_dim**-0.5
     out = torch.empty_like(q)
-    kernel.paged_decode(q, k_cache, v_cache, block_tables, torch.tensor(ctx_lens), block_size, scale, out, cold_rows)
+    kernel.paged_attend(q, k_cache, v_cache, block_tables, torch.tensor(ctx_lens), block_size, scale, out, cold_rows)
     expected = _reference(q, k_cache, v_cache, tables, ctx_lens, block_size, scale)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
 
 
-def test_paged_decode_reads_strided_queries(kernel):
+def test_paged_attend_reads_strided_queries(kernel):
     # q as the lean forward hands it over: a view into the fused qkv projection's output
     q, k_cache, v_cache, tables, block_tables = _case(torch.float32, 9, 3, 64, 16, [5, 70])
     fused = torch.cat([q.reshape(2, -1), torch.randn(2, 384)], dim=1)
     view = fused[:, : 9 * 64].view(2, 9, 64)
     out = torch.empty_like(q)
-    kernel.paged_decode(view, k_cache, v_cache, block_tables, torch.tensor([5, 70]), 16, 0.125, out)
+    kernel.paged_attend(view, k_cache, v_cache, block_tables, torch.tensor([5, 70]), 16, 0.125, out)
     torch.testing.assert_close(out, _reference(q, k_cache, v_cache, tables, [5, 70], 16, 0.125), atol=1e-5, rtol=1e-5)
 
 

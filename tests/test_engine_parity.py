@@ -43,7 +43,7 @@ def reference(loaded_model):
 
 @pytest.fixture(params=["c-kernels", "torch"] if TEST_DEVICE == "cpu" else ["torch"])
 def cpu_kernels(request) -> bool:
-    """Both CPU paths: the C kernels (decode attention over the paged cache, fused elementwise ops)
+    """Both CPU paths: the C kernels (attention over the paged cache, fused elementwise ops)
     and torch alone (SDPA over gathered blocks). On CUDA only the torch path exists."""
     return request.param == "c-kernels"
 
@@ -82,6 +82,21 @@ def test_parity_multi_chunk_prefill(make_engine, reference, record_iterations, c
     assert sum(s.prefill_tokens for s in stats) == sum(lengths)
     # the longest prompt needs several 16-token chunks, one per iteration
     assert sum(1 for s in stats if s.prefill_tokens) >= -(-max(lengths) // 16) > 1
+
+
+@pytest.mark.skipif(TEST_DEVICE != "cpu", reason="the C kernels run on the CPU only")
+@pytest.mark.parametrize("kernel_prefill_context", [1 << 20, 0, 24])
+def test_parity_with_either_prefill_attention_beside_the_kernel(make_engine, reference, record_iterations,
+                                                                kernel_prefill_context):
+    # How far the kernel attends prefill with the kernels on is timed on the machine at hand; here
+    # it is forced: every chunk, none, and those ending by position 24 (both ways in one step).
+    # By the kernel, steps hand it decode, padding and chunk rows in one call.
+    engine = make_engine(max_num_seqs=16, max_num_batched_tokens=40, long_prefill_token_threshold=16,
+                         max_num_partial_prefills=3, max_long_partial_prefills=2)
+    engine.runner.kernel_prefill_context = kernel_prefill_context
+    stats = record_iterations(engine)
+    assert _engine_tokens(engine) == reference
+    assert any(s.prefill_tokens and s.decode_tokens for s in stats)  # chunks beside decode rows
 
 
 def test_parity_under_preemption(make_engine, reference, record_iterations, cpu_kernels):

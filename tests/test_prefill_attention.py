@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from appliance.engine import cpu_kernels
-from appliance.engine.paged_attention import (AttentionMetadata, BlockGather, KernelRows, PrefillSpan, kernel_prefill_faster,
+from appliance.engine.paged_attention import (AttentionMetadata, BlockGather, KernelRows, PrefillSpan, kernel_prefill_context,
                                               paged_attention, prefix_mask)
 
 HEADS, KV_HEADS, DIM, BLOCK, BLOCKS = 6, 2, 16, 4, 12
@@ -26,7 +26,7 @@ def kernels():
 @pytest.mark.parametrize("path", ["sdpa", "kernel"])
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("prefix, chunk", [(8, 5), (5, 6), (12, 4), (0, 7)])
-def test_a_chunk_attends_its_prefix_and_itself_and_nothing_past_its_context(kernels, path, dtype, tolerance, prefix,
+def test_a_chunk_attends_its_prefix_and_itself_and_nothing_past_its_context(request, path, dtype, tolerance, prefix,
                                                                              chunk):
     torch.manual_seed(0)
     ctx = prefix + chunk
@@ -48,7 +48,8 @@ def test_a_chunk_attends_its_prefix_and_itself_and_nothing_past_its_context(kern
                              kv_caches=[(k_cache, v_cache)], gather_buffers=buffers, block_size=BLOCK)
     if path == "kernel":  # the chunk's rows share its table; row j sees prefix + j + 1 slots
         meta.prefills = []
-        meta.kernel_rows = KernelRows(kernels, torch.tensor([table] * chunk), torch.arange(prefix + 1, ctx + 1), 0)
+        meta.kernel_rows = KernelRows(request.getfixturevalue("kernels"), torch.tensor([table] * chunk),
+                                      torch.arange(prefix + 1, ctx + 1), 0)
     out = paged_attention(0, q, keys[prefix:], values[prefix:], meta, None)
 
     causal = torch.arange(ctx)[None, :] <= torch.arange(prefix, ctx)[:, None]
@@ -65,32 +66,39 @@ def test_the_prefix_mask_hides_later_rows_and_the_tail():
     assert torch.isneginf(mask[mask != 0]).all()
 
 
-def test_the_prefill_path_is_timed_once_a_process(kernels, monkeypatch):
+@pytest.mark.parametrize("wins_up_to, expected", [(4096, 4096), (1024, 1024), (512, 512), (0, 0)])
+def test_the_kernel_takes_prefill_up_to_the_longest_context_where_it_kept_winning(kernels, monkeypatch, wins_up_to,
+                                                                                  expected):
     from appliance.engine import paged_attention
 
-    calls = []
+    timed = []
     monkeypatch.setattr(paged_attention, "_KERNEL_PREFILL", {})
-    monkeypatch.setattr(paged_attention, "_time_prefill", lambda *args: calls.append(args) or True)
-    assert kernel_prefill_faster(kernels, torch.float32, HEADS, KV_HEADS, DIM, BLOCK)
-    assert kernel_prefill_faster(kernels, torch.float32, HEADS, KV_HEADS, DIM, BLOCK)
-    assert len(calls) == 1
-    kernel_prefill_faster(kernels, torch.bfloat16, HEADS, KV_HEADS, DIM, BLOCK)
-    assert len(calls) == 2  # another dtype is timed on its own
+    monkeypatch.setattr(paged_attention, "_kernel_wins",
+                        lambda *args: timed.append(args[-1]) or args[-1] <= wins_up_to or args[-1] == 4096)
+    assert kernel_prefill_context(kernels, torch.float32, HEADS, KV_HEADS, DIM, BLOCK) == expected
+    contexts = paged_attention.PROBE_CONTEXTS
+    first_loss = [c for c in contexts if c > expected][:1]  # counting stops there: a win at 4096 after it is moot
+    assert timed == [c for c in contexts if c <= expected] + first_loss
+    assert kernel_prefill_context(kernels, torch.float32, HEADS, KV_HEADS, DIM, BLOCK) == expected
+    assert len(timed) == len([c for c in contexts if c <= expected] + first_loss)  # timed once a process
+    kernel_prefill_context(kernels, torch.bfloat16, HEADS, KV_HEADS, DIM, BLOCK)
+    assert len(timed) > len([c for c in contexts if c <= expected] + first_loss)  # another dtype: timed on its own
 
 
+@pytest.mark.parametrize("context", [256, 1024])  # a chunk alone; one after a prefix
 @pytest.mark.parametrize("kernel_s, sdpa_s, chosen", [(1.0, 2.0, True), (2.0, 2.0, True), (2.5, 2.0, False)])
-def test_the_prefill_timing_runs_both_paths_and_takes_the_faster(kernels, monkeypatch, kernel_s, sdpa_s, chosen):
+def test_the_prefill_timing_runs_both_paths_and_takes_the_faster(kernels, monkeypatch, context, kernel_s, sdpa_s,
+                                                                 chosen):
     from appliance.engine import paged_attention
 
     ran = []
 
     def scripted(fns, **_):
-        ran.extend(fn() for fn in fns)  # each real path, once: [outputs of every probe chunk]
+        ran.extend(fn() for fn in fns)  # each real path, once
         return [kernel_s, sdpa_s]
 
     monkeypatch.setattr(paged_attention, "best_times", scripted)
-    assert paged_attention._time_prefill(kernels, torch.float32, HEADS, KV_HEADS, DIM, 5) is chosen  # 5: not a divisor
+    assert paged_attention._kernel_wins(kernels, torch.float32, HEADS, KV_HEADS, DIM, 5, context) is chosen  # 5: no divisor
     by_kernel, by_sdpa = ran
-    assert len(by_kernel) == len(paged_attention.PREFILL_PROBE)
-    for a, b in zip(by_kernel, by_sdpa):  # the two paths timed attend alike
-        assert torch.allclose(a, b, atol=1e-4)
+    assert by_kernel.shape == (paged_attention.PROBE_CHUNK, HEADS, DIM)
+    assert torch.allclose(by_kernel, by_sdpa, atol=1e-4)  # the two paths timed attend alike

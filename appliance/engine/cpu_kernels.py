@@ -1,9 +1,10 @@
 """The engine's C kernels for the CPU (csrc/*.c): built with the system C compiler at first use,
 cached per source, flags and CPU, loaded with ctypes.
 
-- `paged_decode` reads each decode row's keys and values block by block straight from the paged
-  cache, where the SDPA path first copies them into a dense tensor (moving every cached byte
-  twice more).
+- `paged_attend` attends rows (decode rows, and a prefill chunk's rows: each a query over its
+  sequence's slots up to itself), reading their keys and values block by block straight from the
+  paged cache, where the SDPA path first copies them into a dense tensor (moving every cached
+  byte twice more).
 - `rms_norm`, `rotary_`, `silu_mul` do the llama layer's elementwise work in one pass each,
   where torch runs five to eight kernels.
 - `gemm` (csrc/packed_gemm.c) multiplies a few float32 rows, or bfloat16 rows where the CPU has
@@ -40,7 +41,7 @@ LINK_FLAGS = ["-shared", "-fopenmp"]
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
-    "paged_decode": [_P, _I, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I, _I, _F, _P, _I],
+    "paged_attend": [_P, _I, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I, _I, _F, _P, _I],
     "rms_norm": [_P, _P, _F, _I, _I, _P, _I],
     "rotary": [_P, _I, _I, _I, _I, _P, _P, _I],
     "silu_mul": [_P, _I, _I, _P, _I],
@@ -53,9 +54,9 @@ class CpuKernels:
     """Typed entry points into the built library (float32 and bfloat16 CPU tensors)."""
 
     def __init__(self, lib: ctypes.CDLL):
-        self.max_group = lib.paged_decode_max_group()
-        self.max_dim = lib.paged_decode_max_dim()
-        self.dim_multiple = lib.paged_decode_dim_multiple()
+        self.max_group = lib.paged_attend_max_group()
+        self.max_dim = lib.paged_attend_max_dim()
+        self.dim_multiple = lib.paged_attend_dim_multiple()
         self.panel_width = lib.gemm_panel_width()
         self._gemms: dict[torch.dtype, ctypes._CFuncPtr] = {}
         for dtype, suffix in _SUFFIX.items():
@@ -113,7 +114,7 @@ class CpuKernels:
                    None if residual is None else residual.data_ptr(), out.data_ptr(), torch.get_num_threads())
         return out
 
-    def paged_decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    def paged_attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      ctx_lens: torch.Tensor, block_size: int, scale: float, out: torch.Tensor,
                      cold_rows: int | None = None) -> None:
         """out[i] = softmax(q[i] . K_i^T * scale) V_i, K_i/V_i the first ctx_lens[i] slots read
@@ -127,7 +128,7 @@ class CpuKernels:
         kv_heads, slots, _ = k_cache.shape
         assert q.stride(2) == 1 and all(t.is_contiguous() for t in (k_cache, v_cache, block_tables, ctx_lens, out))
         assert block_tables.dtype == ctx_lens.dtype == torch.int64 and out.dtype == q.dtype == k_cache.dtype
-        self._fns["paged_decode", q.dtype](
+        self._fns["paged_attend", q.dtype](
             q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
             block_tables.shape[1], ctx_lens.data_ptr(), rows, rows if cold_rows is None else cold_rows, num_heads,
             kv_heads, head_dim, block_size, slots,

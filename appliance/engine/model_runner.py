@@ -15,7 +15,7 @@ from ..model_loader import LoadedModel
 from . import cpu_kernels, fast_llama
 from .fast_llama import FastLlamaForward
 from .paged_attention import (ATTN_IMPLEMENTATION, AttentionMetadata, BlockGather, DecodeGroup, KernelRows, PrefillSpan,
-                              kernel_prefill_faster, prefix_mask)
+                              kernel_prefill_context, prefix_mask)
 from .scheduler import SchedulerOutput
 
 log = logging.getLogger(__name__)
@@ -64,14 +64,17 @@ class ModelRunner:
         attention_ok = kernels is not None and kernels.supports_attention(
             loaded.dtype, self.device, cfg.num_attention_heads, self.spec.num_kv_heads, self.spec.head_dim)
         self.attention_kernel = kernels if attention_ok else None
-        self.prefill_by_kernel = attention_ok and kernel_prefill_faster(
-            kernels, loaded.dtype, cfg.num_attention_heads, self.spec.num_kv_heads, self.spec.head_dim, block_size)
+        # prefill chunks whose context reaches at most this far are attended by the kernel, the rest by SDPA
+        self.kernel_prefill_context = kernel_prefill_context(
+            kernels, loaded.dtype, cfg.num_attention_heads, self.spec.num_kv_heads, self.spec.head_dim,
+            block_size) if attention_ok else 0
         self.fast = FastLlamaForward(self.model, kernels) if fast_forward and fast_llama.supports(self.model) else None
         log.info("forward: %s%s; attention: decode %s, prefill %s",
                  "lean llama forward" if self.fast else f"transformers {type(self.model).__name__}",
                  " with C elementwise kernels" if self.fast and kernels else "",
                  "by the C kernel over the paged cache" if self.attention_kernel else "by SDPA over gathered blocks",
-                 "by the C kernel (it beat SDPA on this CPU)" if self.prefill_by_kernel else "by SDPA")
+                 f"by the C kernel up to a context of {self.kernel_prefill_context} tokens (it beat SDPA on this CPU), "
+                 "beyond by SDPA" if self.kernel_prefill_context else "by SDPA")
         # One extra block at the end is scratch space for padding rows; it is never handed out.
         slots = (num_blocks + 1) * block_size
         self.scratch_slot = num_blocks * block_size
@@ -102,8 +105,8 @@ class ModelRunner:
         sample_indices: list[int] = []
 
         # Decode rows, longest context first (groups of similar length follow from it; the kernel's
-        # dynamic OpenMP schedule starts the longest first): context = every computed token plus
-        # the new one.
+        # dynamic OpenMP schedule starts the longest first; the prefill rows it takes come after
+        # them, short work over a context in cache): context = every computed token plus the new one.
         decodes.sort(key=lambda item: -item.seq.num_computed_tokens)
         ctx_lens: list[int] = []
         for item in decodes:
@@ -124,6 +127,10 @@ class ModelRunner:
         tables = [item.seq.block_table for item in decodes] + [[]] * sched.padding_rows  # padding: scratch only
         groups = self._decode_groups(tables, ctx_lens) if self.attention_kernel is None else []
 
+        def by_kernel(item) -> bool:
+            return item.seq.num_computed_tokens + item.num_tokens <= self.kernel_prefill_context
+
+        prefills.sort(key=lambda item: not by_kernel(item))  # the kernel attends the first rows: its chunks first
         spans: list[PrefillSpan] = []
         for item in prefills:
             seq, n = item.seq, item.num_tokens
@@ -132,7 +139,7 @@ class ModelRunner:
             input_ids.extend(seq.tokens(start, start + n))
             positions.extend(range(start, start + n))
             slot_mapping.extend(self._slots(seq.block_table, start, start + n))
-            if self.prefill_by_kernel:  # the kernel's rows: one query per token over its context up to itself
+            if by_kernel(item):  # the kernel's rows: one query per token over its context up to itself
                 tables.extend([seq.block_table] * n)
                 ctx_lens.extend(range(start + 1, start + n + 1))
             elif start > 0:
@@ -196,11 +203,16 @@ class ModelRunner:
         """[rows, width] int64: each table's first `width` blocks, padded with the scratch block (a
         table listed for many rows, as for a prefill chunk's, is converted once)."""
         scratch = [self.num_blocks] * width
-        first: dict[int, int] = {}  # id of a table -> its row among the distinct ones
-        rows = [first.setdefault(id(t), len(first)) for t in tables]
-        distinct = {id(t): t for t in tables}.values()
-        padded = torch.tensor([(t[:width] + scratch)[:width] for t in distinct], dtype=torch.long, device=self.device)
-        return padded if len(rows) == len(first) else padded[torch.tensor(rows, device=self.device)]
+        distinct: dict[int, int] = {}  # id of a table -> its row among the distinct ones
+        padded: list[list[int]] = []
+        rows = []
+        for t in tables:
+            if id(t) not in distinct:
+                distinct[id(t)] = len(padded)
+                padded.append((t[:width] + scratch)[:width])
+            rows.append(distinct[id(t)])
+        out = torch.tensor(padded, dtype=torch.long, device=self.device)
+        return out if len(padded) == len(rows) else out[torch.tensor(rows, device=self.device)]
 
     def _buffers_for(self, gathers: list[BlockGather]) -> tuple[torch.Tensor, torch.Tensor]:
         """Scratch for the largest of this step's gathers; kept (and only grown) across steps."""

@@ -6,12 +6,13 @@ keys and values into the engine's block-paged cache (slot mapping) and attends e
 own sequence's cached context:
 
 - with the C kernels (cpu_kernels), every row as one query at its position over its sequence's
-  cached slots up to it, read in place: decode rows, and the prefill chunks' rows too where the
-  kernel attends a chunk faster than SDPA on this CPU (`kernel_prefill_faster`: a chunk's rows
-  share their block table, each sees one slot more than the row before, which is the causal mask);
+  cached slots up to it, read in place: decode rows, and the rows of prefill chunks whose context
+  is short enough that the kernel attends them faster than SDPA on this CPU
+  (`kernel_prefill_context`: a chunk's rows share their block table, each sees one slot more than
+  the row before, which is the causal mask);
 - else decode rows in a few batched SDPA calls, one per group of similar context length, over
-  contexts gathered block by block, and prefill chunks one sequence at a time, causal within the
-  chunk and over the cached prefix.
+  contexts gathered block by block; and the other prefill chunks one sequence at a time, causal
+  within the chunk and over the cached prefix.
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor  # [T] cache slot of each packed token
     decode_groups: list[DecodeGroup]  # the decode rows, cut into groups of similar context length
-    kernel_rows: KernelRows | None  # or, with the C kernel, all of them at once (groups empty)
+    kernel_rows: KernelRows | None  # or, with the C kernel, the decode rows (and prefill rows) at once (groups empty)
     prefills: list[PrefillSpan]  # the chunks SDPA attends (none where the kernel takes them)
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: K, V as [kv_heads, slots, dim]
     gather_buffers: tuple[torch.Tensor, torch.Tensor]  # flat scratch for K and V contexts, reused by every gather
@@ -125,10 +126,10 @@ def paged_attention(
     out = q.new_empty(total, num_heads, head_dim)
     k_buf, v_buf = meta.gather_buffers
     if meta.kernel_rows is not None:
-        dec = meta.kernel_rows
+        by_kernel = meta.kernel_rows
         scale = scaling if scaling is not None else head_dim**-0.5  # SDPA's default
-        dec.kernels.paged_decode(q[: dec.rows], k_cache, v_cache, dec.block_tables, dec.ctx_lens, meta.block_size,
-                                 scale, out[: dec.rows], cold_rows=dec.decode_rows)
+        by_kernel.kernels.paged_attend(q[: by_kernel.rows], k_cache, v_cache, by_kernel.block_tables, by_kernel.ctx_lens,
+                                       meta.block_size, scale, out[: by_kernel.rows], cold_rows=by_kernel.decode_rows)
     for group in meta.decode_groups:
         # The query heads that share a KV head become extra "query rows": no KV repeat needed.
         n = group.context.rows
@@ -153,47 +154,54 @@ def paged_attention(
     return out
 
 
-PREFILL_PROBE = ((0, 256), (512, 256))  # (cached prefix, chunk): a long prompt's first and a later chunk
-_KERNEL_PREFILL: dict[tuple, bool] = {}  # kernel_prefill_faster per dtype, heads, head size and threads
+PROBE_CHUNK = 256  # rows of the prefill chunk the kernel and SDPA are timed on
+PROBE_CONTEXTS = (256, 512, 1024, 2048, 4096)  # the chunk's context: the chunk, after a prefix of the rest
+_KERNEL_PREFILL: dict[tuple, int] = {}  # kernel_prefill_context per dtype, heads, head size, block size, threads
 
 
-def kernel_prefill_faster(kernels: CpuKernels, dtype: torch.dtype, num_heads: int, kv_heads: int, head_dim: int,
-                          block_size: int = 16) -> bool:
-    """Whether the C kernel attends prefill chunks (PREFILL_PROBE, 256 rows each) in at most the time
-    SDPA takes, both through `paged_attention` over scattered blocks of a paged cache; timed once a
-    process per dtype, head counts, head size and thread count (tens of ms). The kernel reads each
-    row's context anew where SDPA's CPU flash kernel blocks rows together, so which wins is the
-    CPU's to say (on an AMD EPYC Zen 5, 256-row chunks: the kernel 1.2-2.1x as fast in bfloat16,
-    1.0-1.75x in float32, before SDPA's gather of the prefix)."""
+def kernel_prefill_context(kernels: CpuKernels, dtype: torch.dtype, num_heads: int, kv_heads: int, head_dim: int,
+                           block_size: int = 16) -> int:
+    """The longest context (of PROBE_CONTEXTS, counting up while the kernel keeps winning; 0 where
+    it loses at the first) up to which the C kernel attends a prefill chunk in at most the time
+    SDPA takes, both timed through `paged_attention` on a 256-row chunk over scattered blocks of a
+    paged cache. Timed once a process per dtype, head counts, head size, block size and thread
+    count (0.1-0.3 s). The kernel reads each row's context anew where SDPA's CPU flash kernel
+    blocks rows together: on an AMD EPYC Zen 5 the kernel took a causal 256-row chunk 2x faster
+    in bfloat16 and 1.5x in float32, was even with SDPA at contexts of 4096 (bf16) or 1024
+    (fp32), and slower beyond (fp32 by 1.3x at 8192)."""
     key = (dtype, num_heads, kv_heads, head_dim, block_size, torch.get_num_threads())
     if key not in _KERNEL_PREFILL:
-        _KERNEL_PREFILL[key] = _time_prefill(kernels, dtype, num_heads, kv_heads, head_dim, block_size)
+        won = 0
+        for context in PROBE_CONTEXTS:
+            if not _kernel_wins(kernels, dtype, num_heads, kv_heads, head_dim, block_size, context):
+                break
+            won = context
+        _KERNEL_PREFILL[key] = won
     return _KERNEL_PREFILL[key]
 
 
-def _time_prefill(kernels: CpuKernels, dtype: torch.dtype, num_heads: int, kv_heads: int, head_dim: int,
-                  block_size: int) -> bool:
-    blocks = -(-max(prefix + chunk for prefix, chunk in PREFILL_PROBE) // block_size)
+def _kernel_wins(kernels: CpuKernels, dtype: torch.dtype, num_heads: int, kv_heads: int, head_dim: int,
+                 block_size: int, context: int) -> bool:
+    """Whether the kernel attends a PROBE_CHUNK-row chunk ending at `context` in at most SDPA's time."""
+    prefix, chunk = context - PROBE_CHUNK, PROBE_CHUNK
+    width = -(-context // block_size)
     gen = torch.Generator().manual_seed(0)
-    caches = [tuple(torch.randn(kv_heads, (2 * blocks + 1) * block_size, head_dim, generator=gen).to(dtype)
+    caches = [tuple(torch.randn(kv_heads, (2 * width + 1) * block_size, head_dim, generator=gen).to(dtype)
                     for _ in range(2))]
-    table = torch.randperm(2 * blocks, generator=gen)[:blocks]
-    heads = torch.arange(kv_heads) * (2 * blocks + 1)
-    buffers = tuple(torch.empty(kv_heads * blocks * block_size * head_dim, dtype=dtype) for _ in range(2))
-    calls = {True: [], False: []}
-    for prefix, chunk in PREFILL_PROBE:
-        ctx, width = prefix + chunk, -(-(prefix + chunk) // block_size)
-        slots = (table[torch.arange(prefix, ctx) // block_size] * block_size + torch.arange(prefix, ctx) % block_size)
-        q, k, v = (torch.randn(chunk, h, head_dim, generator=gen).to(dtype) for h in (num_heads, kv_heads, kv_heads))
-        by_kernel = KernelRows(kernels, table[:width].expand(chunk, width).contiguous(), torch.arange(prefix + 1, ctx + 1), 0)
-        gather = BlockGather((heads[:, None, None] + table[None, :width]).flatten(), 1, width) if prefix else None
-        span = PrefillSpan(0, chunk, gather, prefix_mask(prefix, chunk, width * block_size, dtype, "cpu") if prefix else None)
-        for kernel, meta in ((True, AttentionMetadata(slots, [], by_kernel, [], caches, buffers, block_size)),
-                             (False, AttentionMetadata(slots, [], None, [span], caches, buffers, block_size))):
-            calls[kernel].append(functools.partial(paged_attention, 0, q, k, v, meta, None))
+    table = torch.randperm(2 * width, generator=gen)[:width]  # scattered blocks
+    positions = torch.arange(prefix, context)
+    slots = table[positions // block_size] * block_size + positions % block_size
+    q, k, v = (torch.randn(chunk, h, head_dim, generator=gen).to(dtype) for h in (num_heads, kv_heads, kv_heads))
+    heads = torch.arange(kv_heads) * (2 * width + 1)
+    gather = BlockGather((heads[:, None, None] + table[None, :]).flatten(), 1, width) if prefix else None
+    span = PrefillSpan(0, chunk, gather, prefix_mask(prefix, chunk, width * block_size, dtype, "cpu") if prefix else None)
+    buffers = tuple(torch.empty(kv_heads * width * block_size * head_dim, dtype=dtype) for _ in range(2))
+    rows = KernelRows(kernels, table.expand(chunk, width).contiguous(), torch.arange(prefix + 1, context + 1), 0)
+    by_kernel = AttentionMetadata(slots, [], rows, [], caches, buffers, block_size)
+    by_sdpa = AttentionMetadata(slots, [], None, [span], caches, buffers, block_size)
     with torch.inference_mode():
-        kernel_s, sdpa_s = best_times([lambda: [c() for c in calls[True]], lambda: [c() for c in calls[False]]],
-                                      repeats=5, calls=2)
+        kernel_s, sdpa_s = best_times([functools.partial(paged_attention, 0, q, k, v, meta, None)
+                                       for meta in (by_kernel, by_sdpa)], repeats=3, calls=1)
     return kernel_s <= sdpa_s
 
 

@@ -1,6 +1,6 @@
 /* CPU kernels for the engine's hot path, built at first use by appliance/engine/cpu_kernels.py.
  *
- * - paged_decode_*: one query token per row against that row's cached context, read block by
+ * - paged_attend_*: one query token per row against that row's cached context, read block by
  *   block straight from the paged KV cache (no gathered copy), online softmax, OpenMP over
  *   (row, KV head); the query heads that share a KV head are served by one pass over it, in
  *   16-float vectors (head_dim a multiple of 16). Each 16 tokens' scores of a query head are
@@ -56,7 +56,7 @@ static inline bf16_t f32_to_bf16(float f) { /* round to nearest even, as torch d
 #define BF16_ROUND(x) bf16_to_f32(f32_to_bf16(x))
 
 /* 16 floats: one AVX-512 register, two AVX ones (gcc lowers the vector type to what -march has).
- * The decode kernel works on head_dim / 16 of them per cached token. */
+ * The attention kernel works on head_dim / 16 of them per cached token. */
 typedef float v16f __attribute__((vector_size(64)));
 typedef uint16_t v16h __attribute__((vector_size(32)));
 typedef uint32_t v16u __attribute__((vector_size(64)));
@@ -214,36 +214,40 @@ static inline __attribute__((always_inline)) v16f round16_bf16(v16f v) {
     return out;
 }
 
-/* The cache offsets (slot * D) of the next `count` tokens of a row, walking its block table. */
-static inline __attribute__((always_inline)) void walk_slots(const int64_t *table, int64_t block_size, int64_t D,
-                                                             int64_t count, int64_t *blk, int64_t *off, int64_t *out) {
-    for (int64_t t = 0; t < count; t++) {
-        out[t] = (table[*blk] * block_size + *off) * D;
-        if (++*off == block_size) { *off = 0; ++*blk; }
+/* A walk over a row's cached tokens in order: the next token's block (index into the row's
+ * block table), its offset in that block, and how many tokens came before it. */
+typedef struct {
+    int64_t blk, off, token;
+} token_walk;
+
+/* The walk's next token's slot (block * block_size + offset); then the walk steps past it. */
+static inline __attribute__((always_inline)) int64_t next_slot(token_walk *w, const int64_t *table, int64_t block_size) {
+    const int64_t slot = table[w->blk] * block_size + w->off;
+    if (++w->off == block_size) {
+        w->off = 0;
+        ++w->blk;
     }
+    ++w->token;
+    return slot;
 }
 
 /* Prefetching a decode row's context ahead of use: its blocks lie anywhere in the cache, a few KB
  * each, too short and scattered for the hardware prefetchers to run ahead, and cold (a step
  * streams the weights between two reads of a layer's cache). Two walks over the row's tokens run
  * ahead of the one that computes: into L1 PREFETCH_NEAR tokens ahead, into L2 PREFETCH_FAR ahead
- * (64 rows of 160-600 tokens, head size 64, scattered blocks, cold: 1.2-1.26x faster in bfloat16
- * and 1.04-1.11x in float32 than with the next chunk's keys alone asked for into L1, on an AMD
- * EPYC Zen 5). A prefill chunk's rows read one context that their neighbours keep in cache:
- * prefetching there only costs instructions (16-22 %), so those rows skip it. */
+ * (64 rows of 160-600 tokens, head size 64, scattered blocks, cold: 1.18-1.26x faster in bfloat16
+ * and 1.02-1.05x in float32 than with only the next chunk's keys and this chunk's values asked
+ * for, on an AMD EPYC Zen 5). A prefill chunk's rows read one context that their neighbours keep
+ * in cache: prefetching there only costs instructions (16-22 %), so those rows skip it. */
 #define PREFETCH_NEAR 16
 #define PREFETCH_FAR 64
-
-typedef struct {
-    int64_t blk, off, token; /* the walk's next token: its block in the row's table, its offset there */
-} token_walk;
 
 /* Asks for the key and value rows (`row_bytes` each) of the walk's next token, into L1, or into L2
  * where `far`; then steps the walk. */
 static inline __attribute__((always_inline)) void prefetch_token(token_walk *w, const int64_t *table, int64_t block_size,
                                                                  int64_t row_bytes, const char *k, const char *v,
                                                                  const int far) {
-    const int64_t at = (table[w->blk] * block_size + w->off) * row_bytes;
+    const int64_t at = next_slot(w, table, block_size) * row_bytes;
     for (int64_t b = 0; b < row_bytes; b += 64) {
         if (far) {
             __builtin_prefetch(k + at + b, 0, 2);
@@ -253,14 +257,9 @@ static inline __attribute__((always_inline)) void prefetch_token(token_walk *w, 
             __builtin_prefetch(v + at + b, 0, 3);
         }
     }
-    if (++w->off == block_size) {
-        w->off = 0;
-        ++w->blk;
-    }
-    ++w->token;
 }
 
-/* The decode kernel's query-key products. query_*: a query head's row as score_* reads it (in
+/* The attention kernel's query-key products. query_*: a query head's row as score_* reads it (in
  * float32 vectors; with AVX512-BF16 the bfloat16 row as it is). score_*: one cached key row
  * against the group's queries, dots[g][t] = a vector whose lanes sum to q_g . k (unscaled). */
 #define DEFINE_SCORE(SUFFIX, T)                                                                      \
@@ -306,7 +305,7 @@ DEFINE_SCORE(bf16, bf16_t)
  * size and group (query heads per KV head): with both constant, the query and the accumulators
  * (group x head_dim / 16 vectors) stay in registers and every loop over them unrolls. The
  * switch runs inside the OpenMP loop so that each copy sees its constants. */
-#define DEFINE_PAGED_DECODE(NAME, T, SUFFIX, STORE)                                                  \
+#define DEFINE_PAGED_ATTEND(NAME, T, SUFFIX, STORE)                                                  \
     static inline __attribute__((always_inline)) void NAME##_item(                                   \
         const T *q, int64_t q_row_stride, int64_t q_head_stride, const T *k_cache, const T *v_cache, \
         const int64_t *block_tables, int64_t table_width, const int64_t *ctx_lens, int64_t cold_rows, int64_t kv_heads, \
@@ -318,7 +317,7 @@ DEFINE_SCORE(bf16, bf16_t)
         const T *kh = k_cache + h * num_slots * D, *vh = v_cache + h * num_slots * D;                \
         v16f qv[MAX_GROUP][MAX_DIM / LANES], acc[MAX_GROUP][MAX_DIM / LANES], dots[MAX_GROUP][LANES]; \
         float s[MAX_GROUP][CHUNK], m[MAX_GROUP], l[MAX_GROUP];                                       \
-        int64_t slots[CHUNK], blk = 0, off = 0; /* this chunk's tokens' cache offsets */               \
+        int64_t slots[CHUNK]; /* this chunk's tokens' cache offsets (slot * D) */                     \
         v16i lane;                                                                                   \
         for (int e = 0; e < LANES; e++) lane[e] = e;                                                 \
         for (int64_t g = 0; g < G; g++) {                                                            \
@@ -336,13 +335,14 @@ DEFINE_SCORE(bf16, bf16_t)
             prefetch_token(&far, table, block_size, row_bytes, kb, vb, 1);                           \
         while (cold && near.token < ctx && near.token < PREFETCH_NEAR)                               \
             prefetch_token(&near, table, block_size, row_bytes, kb, vb, 0);                          \
+        token_walk walk = {0, 0, 0};                                                                 \
         for (int64_t t0 = 0; t0 < ctx; t0 += CHUNK) {                                                \
-            const int64_t n = ctx - t0 < CHUNK ? ctx - t0 : CHUNK, *slot = slots;                    \
-            walk_slots(table, block_size, D, n, &blk, &off, slots);                                  \
+            const int64_t n = ctx - t0 < CHUNK ? ctx - t0 : CHUNK;                                   \
+            for (int64_t t = 0; t < n; t++) slots[t] = next_slot(&walk, table, block_size) * D;      \
             for (int64_t t = 0; t < n; t++) { /* each key row loaded once for the group */           \
                 if (cold && near.token < ctx) prefetch_token(&near, table, block_size, row_bytes, kb, vb, 0); \
                 if (cold && far.token < ctx) prefetch_token(&far, table, block_size, row_bytes, kb, vb, 1); \
-                score_##SUFFIX((const v16f(*)[MAX_DIM / LANES])qv, G, kh + slot[t], nv, dots, t);    \
+                score_##SUFFIX((const v16f(*)[MAX_DIM / LANES])qv, G, kh + slots[t], nv, dots, t);    \
             }                                                                                        \
             const v16i live = lane < (int32_t)n;                                                     \
             for (int64_t g = 0; g < G; g++) { /* the chunk's scores in one vector, online softmax */ \
@@ -358,7 +358,7 @@ DEFINE_SCORE(bf16, bf16_t)
             }                                                                                        \
             for (int64_t t = 0; t < n; t++) { /* values: each row loaded once for the group */       \
                 v16f v[MAX_DIM / LANES];                                                             \
-                for (int64_t j = 0; j < nv; j++) v[j] = load16_##SUFFIX(vh + slot[t] + LANES * j);   \
+                for (int64_t j = 0; j < nv; j++) v[j] = load16_##SUFFIX(vh + slots[t] + LANES * j);   \
                 for (int64_t g = 0; g < G; g++)                                                      \
                     for (int64_t j = 0; j < nv; j++) acc[g][j] += s[g][t] * v[j];                    \
             }                                                                                        \
@@ -381,8 +381,8 @@ DEFINE_SCORE(bf16, bf16_t)
         _Pragma("omp parallel for schedule(dynamic, 1) if (elems >= PAR_MIN_ELEMS) num_threads(threads)") \
         for (int64_t item = 0; item < rows * kv_heads; item++) {                                     \
             switch (head_dim == 64 || head_dim == 128 ? head_dim * MAX_GROUP + group : 0) {          \
-            PAGED_DECODE_CASES_64(NAME)                                                              \
-            PAGED_DECODE_CASES_128(NAME)                                                             \
+            PAGED_ATTEND_CASES_64(NAME)                                                              \
+            PAGED_ATTEND_CASES_128(NAME)                                                             \
             default:                                                                                 \
                 NAME##_item(q, q_row_stride, q_head_stride, k_cache, v_cache, block_tables, table_width, \
                             ctx_lens, cold_rows, kv_heads, head_dim, group, block_size, num_slots, scale, out, item); \
@@ -392,18 +392,18 @@ DEFINE_SCORE(bf16, bf16_t)
 
 /* The copies with constant head size and group: head size 64 with groups 1 to 8, 128 with
  * groups 1, 2, 4 and 8 (those of common models; each copy adds to the build's time). */
-#define PAGED_DECODE_CASE(NAME, D, G)                                                                \
+#define PAGED_ATTEND_CASE(NAME, D, G)                                                                \
     case D * MAX_GROUP + G:                                                                          \
         NAME##_item(q, q_row_stride, q_head_stride, k_cache, v_cache, block_tables, table_width,     \
                     ctx_lens, cold_rows, kv_heads, D, G, block_size, num_slots, scale, out, item);   \
         break;
-#define PAGED_DECODE_CASES_64(NAME)                                                                  \
-    PAGED_DECODE_CASE(NAME, 64, 1) PAGED_DECODE_CASE(NAME, 64, 2) PAGED_DECODE_CASE(NAME, 64, 3)     \
-    PAGED_DECODE_CASE(NAME, 64, 4) PAGED_DECODE_CASE(NAME, 64, 5) PAGED_DECODE_CASE(NAME, 64, 6)     \
-    PAGED_DECODE_CASE(NAME, 64, 7) PAGED_DECODE_CASE(NAME, 64, 8)
-#define PAGED_DECODE_CASES_128(NAME)                                                                 \
-    PAGED_DECODE_CASE(NAME, 128, 1) PAGED_DECODE_CASE(NAME, 128, 2) PAGED_DECODE_CASE(NAME, 128, 4)  \
-    PAGED_DECODE_CASE(NAME, 128, 8)
+#define PAGED_ATTEND_CASES_64(NAME)                                                                  \
+    PAGED_ATTEND_CASE(NAME, 64, 1) PAGED_ATTEND_CASE(NAME, 64, 2) PAGED_ATTEND_CASE(NAME, 64, 3)     \
+    PAGED_ATTEND_CASE(NAME, 64, 4) PAGED_ATTEND_CASE(NAME, 64, 5) PAGED_ATTEND_CASE(NAME, 64, 6)     \
+    PAGED_ATTEND_CASE(NAME, 64, 7) PAGED_ATTEND_CASE(NAME, 64, 8)
+#define PAGED_ATTEND_CASES_128(NAME)                                                                 \
+    PAGED_ATTEND_CASE(NAME, 128, 1) PAGED_ATTEND_CASE(NAME, 128, 2) PAGED_ATTEND_CASE(NAME, 128, 4)  \
+    PAGED_ATTEND_CASE(NAME, 128, 8)
 
 /* out = weight * round(x * rsqrt(mean(x^2) + eps)): transformers' LlamaRMSNorm, op for op. */
 #define DEFINE_RMS_NORM(NAME, T, LOAD, STORE, ROUND, SUFFIX)                                         \
@@ -475,8 +475,8 @@ DEFINE_SCORE(bf16, bf16_t)
         }                                                                                            \
     }
 
-DEFINE_PAGED_DECODE(paged_decode_f32, float, f32, F32_STORE)
-DEFINE_PAGED_DECODE(paged_decode_bf16, bf16_t, bf16, f32_to_bf16)
+DEFINE_PAGED_ATTEND(paged_attend_f32, float, f32, F32_STORE)
+DEFINE_PAGED_ATTEND(paged_attend_bf16, bf16_t, bf16, f32_to_bf16)
 DEFINE_RMS_NORM(rms_norm_f32, float, F32_LOAD, F32_STORE, F32_ROUND, f32)
 DEFINE_RMS_NORM(rms_norm_bf16, bf16_t, bf16_to_f32, f32_to_bf16, BF16_ROUND, bf16)
 DEFINE_ROTARY(rotary_f32, float, F32_LOAD, F32_STORE, f32)
@@ -484,7 +484,7 @@ DEFINE_ROTARY(rotary_bf16, bf16_t, bf16_to_f32, f32_to_bf16, bf16)
 DEFINE_SILU_MUL(silu_mul_f32, float, F32_LOAD, F32_STORE, F32_ROUND, f32)
 DEFINE_SILU_MUL(silu_mul_bf16, bf16_t, bf16_to_f32, f32_to_bf16, BF16_ROUND, bf16)
 
-/* Limits the Python side checks before choosing paged_decode. */
-int64_t paged_decode_max_group(void) { return MAX_GROUP; }
-int64_t paged_decode_max_dim(void) { return MAX_DIM; }
-int64_t paged_decode_dim_multiple(void) { return LANES; }
+/* Limits the Python side checks before choosing paged_attend. */
+int64_t paged_attend_max_group(void) { return MAX_GROUP; }
+int64_t paged_attend_max_dim(void) { return MAX_DIM; }
+int64_t paged_attend_dim_multiple(void) { return LANES; }
