@@ -1,4 +1,4 @@
-"""The C kernels against torch: paged decode attention vs dense SDPA, elementwise ops vs the
+"""The C kernels against torch: paged attention (`paged_attend`) vs dense SDPA, elementwise ops vs the
 lean forward's (transformers') torch ops, in float32 and bfloat16."""
 
 from __future__ import annotations

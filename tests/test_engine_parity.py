@@ -93,10 +93,22 @@ def test_parity_with_either_prefill_attention_beside_the_kernel(make_engine, ref
     # By the kernel, steps hand it decode, padding and chunk rows in one call.
     engine = make_engine(max_num_seqs=16, max_num_batched_tokens=40, long_prefill_token_threshold=16,
                          max_num_partial_prefills=3, max_long_partial_prefills=2)
-    engine.runner.kernel_prefill_context = kernel_prefill_context
+    runner = engine.runner
+    assert runner.attention_kernel is not None
+    runner.kernel_prefill_context = kernel_prefill_context
+    ways = []  # per step: whether each of its prefill chunks went to the kernel
+    execute = runner.execute
+
+    def recording(sched):
+        ways.append({s.seq.num_computed_tokens + s.num_tokens <= kernel_prefill_context
+                     for s in sched.scheduled if s.is_prefill})
+        return execute(sched)
+
+    runner.execute = recording
     stats = record_iterations(engine)
     assert _engine_tokens(engine) == reference
     assert any(s.prefill_tokens and s.decode_tokens for s in stats)  # chunks beside decode rows
+    assert any(way == {True, False} for way in ways) == (kernel_prefill_context == 24)
 
 
 def test_parity_under_preemption(make_engine, reference, record_iterations, cpu_kernels):

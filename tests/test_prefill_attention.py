@@ -78,11 +78,12 @@ def test_the_kernel_takes_prefill_up_to_the_longest_context_where_it_kept_winnin
     assert kernel_prefill_context(kernels, torch.float32, HEADS, KV_HEADS, DIM, BLOCK) == expected
     contexts = paged_attention.PROBE_CONTEXTS
     first_loss = [c for c in contexts if c > expected][:1]  # counting stops there: a win at 4096 after it is moot
-    assert timed == [c for c in contexts if c <= expected] + first_loss
+    probed = [c for c in contexts if c <= expected] + first_loss
+    assert timed == probed
     assert kernel_prefill_context(kernels, torch.float32, HEADS, KV_HEADS, DIM, BLOCK) == expected
-    assert len(timed) == len([c for c in contexts if c <= expected] + first_loss)  # timed once a process
+    assert len(timed) == len(probed)  # timed once a process
     kernel_prefill_context(kernels, torch.bfloat16, HEADS, KV_HEADS, DIM, BLOCK)
-    assert len(timed) > len([c for c in contexts if c <= expected] + first_loss)  # another dtype: timed on its own
+    assert len(timed) > len(probed)  # another dtype: timed on its own
 
 
 @pytest.mark.parametrize("context", [256, 1024])  # a chunk alone; one after a prefix

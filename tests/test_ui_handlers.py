@@ -281,9 +281,14 @@ def test_load_test_runs_reports_progress_and_is_stored(server, client):
     run = runs.get_run(server.db_url, row[-1], with_requests=True)
     assert run["status"] == "completed" and run["name"] == "ui smoke" and len(run["requests"]) == 4
     assert run["knobs"]["knobs"] == knobs(server)["knobs"]
-    with make_engine(server.db_url).connect() as conn:
-        sources = conn.execute(select(Request.source).where(Request.run_id == row[-1])).scalars().all()
-    assert wait_for(lambda: sources) and set(sources) == {"loadtest"}
+    store = make_engine(server.db_url)
+
+    def sources() -> list[str]:  # the server's own request records, which its telemetry writer lands in batches
+        with store.connect() as conn:
+            return conn.execute(select(Request.source).where(Request.run_id == row[-1])).scalars().all()
+
+    landed = wait_for(lambda: len(found := sources()) == 4 and found)
+    assert set(landed) == {"loadtest"}
     table, select_update = client.predict(api_name="/runs_refresh")
     assert row[-1] in [r[-1] for r in table["data"]]
     assert row[-1] in [c[1] for c in select_update["choices"]]

@@ -1,7 +1,8 @@
 """Owns the model and the paged KV cache; turns one schedule into ONE packed forward pass.
 
 Packed layout of an iteration: decode rows first (one token each), then static padding rows
-(computed and thrown away), then each prefill chunk. No padding between sequences.
+(computed and thrown away), then the prefill chunks the C attention kernel takes, then those SDPA
+attends. No padding between sequences.
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ def kv_cache_spec(loaded: LoadedModel) -> KVCacheSpec:
 
 @dataclass
 class ForwardResult:
-    """Logits (in the model's dtype) of the rows that need a token this iteration, in schedule order."""
+    """Logits (in the model's dtype) of the rows that need a token this iteration, row i for
+    SchedulerOutput.scheduled[sample_indices[i]]."""
 
     logits: torch.Tensor  # [n, vocab]
     sample_indices: list[int]  # index into SchedulerOutput.scheduled for each logits row
@@ -128,7 +130,8 @@ class ModelRunner:
         groups = self._decode_groups(tables, ctx_lens) if self.attention_kernel is None else []
 
         def by_kernel(item) -> bool:
-            return item.seq.num_computed_tokens + item.num_tokens <= self.kernel_prefill_context
+            return (self.attention_kernel is not None
+                    and item.seq.num_computed_tokens + item.num_tokens <= self.kernel_prefill_context)
 
         prefills.sort(key=lambda item: not by_kernel(item))  # the kernel attends the first rows: its chunks first
         spans: list[PrefillSpan] = []

@@ -66,8 +66,8 @@ class DecodeGroup:
 @dataclass
 class KernelRows:
     """The first `rows` packed rows, attended by the C kernel in one call, each a query over its
-    sequence's first `ctx_lens[i]` cached slots: the decode and padding rows, and every prefill
-    row where the kernel attends prefill (a chunk's row at position p sees slots 0..p)."""
+    sequence's first `ctx_lens[i]` cached slots: the decode and padding rows, then the rows of the
+    prefill chunks it takes (`kernel_prefill_context`; a chunk's row at position p sees slots 0..p)."""
 
     kernels: CpuKernels
     block_tables: torch.Tensor  # [rows, width] int64, padded with the scratch block
@@ -165,10 +165,10 @@ def kernel_prefill_context(kernels: CpuKernels, dtype: torch.dtype, num_heads: i
     it loses at the first) up to which the C kernel attends a prefill chunk in at most the time
     SDPA takes, both timed through `paged_attention` on a 256-row chunk over scattered blocks of a
     paged cache. Timed once a process per dtype, head counts, head size, block size and thread
-    count (0.1-0.3 s). The kernel reads each row's context anew where SDPA's CPU flash kernel
-    blocks rows together: on an AMD EPYC Zen 5 the kernel took a causal 256-row chunk 2x faster
-    in bfloat16 and 1.5x in float32, was even with SDPA at contexts of 4096 (bf16) or 1024
-    (fp32), and slower beyond (fp32 by 1.3x at 8192)."""
+    count (0.05-0.3 s). The kernel reads each row's context anew where SDPA's CPU flash kernel
+    blocks rows together, so short contexts favour the kernel and long ones SDPA (on an AMD EPYC
+    Zen 5: a causal 256-row chunk 2x faster by the kernel in bfloat16, 1.5x in float32; this
+    answered 2048-4096 in bfloat16, 512-2048 in float32)."""
     key = (dtype, num_heads, kv_heads, head_dim, block_size, torch.get_num_threads())
     if key not in _KERNEL_PREFILL:
         won = 0
