@@ -62,9 +62,10 @@ def test_churn_with_cancels_knob_walks_and_preemptions(server_factory, loaded_mo
     # faster than it finishes: a queue built up and the pool filled (the peak is sampled by
     # polling /admin/state, so it may miss the very fullest iteration). Whether a preemption
     # follows depends on the random knob walk and the machine's timing, so it is not asserted
-    # here; test_engine_parity.py::test_parity_under_preemption forces one deterministically.
+    # here; test_engine_parity.py::test_parity_under_preemption forces one deterministically. Nor
+    # is how much longer than the sending the run takes: that is the machine's speed (it asked
+    # for 1.5x, and a faster engine on a fast box finished 128 requests sent over 5.8 s in 8.5 s).
     assert report.max_waiting >= 10 and report.max_blocks_used >= 40
-    assert report.elapsed_s > 1.5 * report.sent_over_s
     assert (state["running"], state["waiting"], state["kv_blocks_used"], state["in_flight"]) == (0, 0, 0, 0)
     done = finishes(metrics)
     assert done["error"] == 0 and done["stop"] == 0  # ignore_eos: nothing stops early
