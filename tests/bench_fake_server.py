@@ -10,7 +10,7 @@ can tell whose answer a later turn carries.
 Behaviour is chosen per request by the prompt text: "http400" / "http429" / "http500" reply with
 that error, "drop" streams two chunks then ends without [DONE], "error-event" sends an error
 event mid-stream, "abort" finishes with finish_reason "abort", "hang" streams nothing for a long
-time; anything else (text or token ids) streams `max_tokens` chunks `token_delay` apart.
+time, "huge-line" sends an event line of 600 KiB (over the client's line limit); anything else (text or token ids) streams `max_tokens` chunks `token_delay` apart.
 """
 
 from __future__ import annotations
@@ -130,6 +130,9 @@ def build_app(state: FakeState) -> Starlette:
                         await asyncio.sleep(state.token_delay)
                     if prompt == "drop" and i == 2:
                         return
+                    if prompt == "huge-line" and i == 2:
+                        yield chunk("x" * 600 * 1024)
+                        continue
                     if prompt == "error-event" and i == 2:
                         yield "data: " + json.dumps({"error": {"message": "engine failed"}}) + "\n\n"
                         return

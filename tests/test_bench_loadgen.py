@@ -142,16 +142,18 @@ def test_other_servers_get_text_and_no_extension_fields(fake):
 
 def test_error_kinds(fake):
     url, state = fake
-    prompts = ["http400", "http429", "http500", "drop", "error-event", "abort", "fine"]
+    prompts = ["http400", "http429", "http500", "drop", "error-event", "abort", "huge-line", "fine"]
     out = run(LoadGenerator([BenchRequest(p, None, 5) for p in prompts], base_url=url))
     kinds = {prompts[r.index]: r.error_kind for r in out.results}
     assert kinds == {"http400": "http_400", "http429": "http_429", "http500": "http_5xx",
-                     "drop": "aborted", "error-event": "aborted", "abort": "aborted", "fine": None}
+                     "drop": "aborted", "error-event": "aborted", "abort": "aborted", "huge-line": "protocol",
+                     "fine": None}
     by_prompt = {prompts[r.index]: r for r in out.results}
     assert by_prompt["http429"].error == "made-up 429" and by_prompt["http429"].status == 429
     assert by_prompt["error-event"].error == "engine failed"
-    assert out.summary.errors == {"aborted": 3, "http_400": 1, "http_429": 1, "http_5xx": 1}
-    assert out.summary.completed == 1 and out.summary.failed == 6
+    assert "line" in by_prompt["huge-line"].error.lower()
+    assert out.summary.errors == {"aborted": 3, "http_400": 1, "http_429": 1, "http_5xx": 1, "protocol": 1}
+    assert out.summary.completed == 1 and out.summary.failed == 7
 
 
 def test_timeout_and_connection_errors(fake):
