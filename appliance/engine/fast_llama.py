@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from appliance.numeric import best_times
 
+from . import huge_pages
 from .cpu_kernels import CpuKernels
 from .paged_attention import AttentionMetadata, paged_attention
 
@@ -239,8 +240,12 @@ class FastLlamaForward:
         self.lm_head = PackedLinear(model.lm_head.weight, kernels=kernels)
         self.kernels = kernels  # the runner passes them only for a dtype and device they support
         self.own_rows = own_rows_on_this_cpu([layer.gate_up for layer in self.layers])
-        for linear in self.linears():  # a weight the kernels declined (bf16 with an odd k) has no copy
-            linear.own_rows = self.own_rows if linear.own is not None else 0
+        owned = [linear for linear in self.linears() if linear.own is not None]  # the kernels decline some
+        for linear in owned:
+            linear.own_rows = self.own_rows
+        if self.own_rows:  # the copies each decode step streams, on 2 MB pages (see huge_pages)
+            for linear, copy in zip(owned, huge_pages.copies([linear.own for linear in owned])):
+                linear.own = copy
         self.plain_rows = faster_plain_rows(self.layers[0].gate_up) if self.layers else 0
         for linear in self.linears():
             linear.plain_rows = self.plain_rows

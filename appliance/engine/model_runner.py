@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ..model_loader import LoadedModel
-from . import cpu_kernels, fast_llama
+from . import cpu_kernels, fast_llama, huge_pages
 from .fast_llama import FastLlamaForward
 from .paged_attention import (ATTN_IMPLEMENTATION, AttentionMetadata, BlockGather, DecodeGroup, KernelRows, PrefillSpan,
                               kernel_prefill_context, prefix_mask)
@@ -81,11 +81,12 @@ class ModelRunner:
         slots = (num_blocks + 1) * block_size
         self.scratch_slot = num_blocks * block_size
         shape = (self.spec.num_kv_heads, slots, self.spec.head_dim)  # head-major: see paged_attention
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=loaded.dtype, device=self.device),
-             torch.zeros(shape, dtype=loaded.dtype, device=self.device))
-            for _ in range(self.spec.num_layers)
-        ]
+        layers = self.spec.num_layers
+        if self.device.type == "cpu":  # 2 MB pages: fewer TLB misses over scattered blocks (huge_pages)
+            caches = huge_pages.zeros([shape] * 2 * layers, loaded.dtype)
+        else:
+            caches = [torch.zeros(shape, dtype=loaded.dtype, device=self.device) for _ in range(2 * layers)]
+        self.kv_caches = list(zip(caches[0::2], caches[1::2]))
         self._gather_buffers = (torch.empty(0, dtype=loaded.dtype, device=self.device),) * 2
 
     def _slots(self, block_table: list[int], start: int, end: int) -> list[int]:
