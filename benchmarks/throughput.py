@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from appliance.engine import EngineConfig, Knobs, LLMEngine, SamplingParams, cpu_kernels
+from appliance.engine import EngineConfig, Knobs, LLMEngine, SamplingParams, cpu_kernels, huge_pages
 from appliance.engine.fast_llama import PackedLinear
 from appliance.model_loader import load_model
 
@@ -274,7 +274,8 @@ def weight_pass_seconds(loaded) -> float:
 
 def matmul_calls(w: torch.Tensor) -> list:
     """Every way the engine can multiply by w (each a function of x): the default F.linear call,
-    and on the CPU oneDNN's packed matmul and, where they take w, the C kernels' own GEMM."""
+    and on the CPU oneDNN's packed matmul and, where they take w, the C kernels' own GEMM over its
+    packed copy on 2 MB pages, where the engine keeps it (`huge_pages`)."""
     calls = [lambda x: torch.nn.functional.linear(x, w)]
     if w.device.type == "cpu":
         kernels = cpu_kernels.load()
@@ -282,7 +283,8 @@ def matmul_calls(w: torch.Tensor) -> list:
         if packed.packed is not None:
             calls.append(packed.onednn_matmul)
         if packed.own is not None:
-            calls.append(lambda x: kernels.gemm(x, packed.own, w.shape[0]))
+            own = huge_pages.copies([packed.own])[0]
+            calls.append(lambda x: kernels.gemm(x, own, w.shape[0]))
     return calls
 
 
