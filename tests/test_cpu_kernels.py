@@ -82,6 +82,18 @@ def test_paged_attend_reads_strided_queries(kernel):
     torch.testing.assert_close(out, _reference(q, k_cache, v_cache, tables, [5, 70], 16, 0.125), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows, cols", [(1, 5), (3, 37), (4, 48), (64, 49152)])  # tails; one and many threads
+def test_argmax_rows_is_torchs_max_index(kernel, dtype, rows, cols):
+    x = (torch.randn(rows, cols + 7, generator=torch.Generator().manual_seed(rows)) * 4).to(dtype)[:, :cols]
+    x[0, cols // 2] = x[0, cols - 1] = x[0].max() + 1  # a tie: the first one wins
+    if rows > 1:
+        x[1] = float("-inf")  # every token banned: index 0, as torch gives
+    if rows > 2:
+        x[2, :-1] = float("-inf")  # only the last (in the scalar tail where cols is no multiple of 16)
+    assert kernel.argmax_rows(x) == x.max(dim=-1).indices.tolist()  # rows strided: cols + 7 apart
+
+
 def test_kernel_declines_what_it_cannot_run(kernel):
     cpu = torch.device("cpu")
     assert not kernel.supports_attention(torch.float16, cpu, 9, 3, 64)

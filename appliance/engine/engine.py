@@ -268,7 +268,7 @@ class LLMEngine:
             item.seq.num_computed_tokens += item.num_tokens
         seqs = [sched.scheduled[i].seq for i in result.sample_indices]
         banned = [self._banned(seq) for seq in seqs]
-        tokens = sample(result.logits, [s.params for s in seqs], [s.generator for s in seqs], banned)
+        tokens = sample(result.logits, [s.params for s in seqs], [s.generator for s in seqs], banned, self.runner.kernels)
         now = time.time()
         outputs = []
         for seq, token in zip(seqs, tokens):

@@ -61,7 +61,7 @@ class ModelRunner:
         self.model.set_attn_implementation(ATTN_IMPLEMENTATION)  # registered in paged_attention
         self.spec = kv_cache_spec(loaded)
         wanted = use_kernels and cpu_kernels.CpuKernels.supports(loaded.dtype, self.device)
-        kernels = cpu_kernels.load() if wanted else None
+        self.kernels = kernels = cpu_kernels.load() if wanted else None  # None: torch paths throughout
         cfg = self.model.config
         attention_ok = kernels is not None and kernels.supports_attention(
             loaded.dtype, self.device, cfg.num_attention_heads, self.spec.num_kv_heads, self.spec.head_dim)

@@ -10,6 +10,7 @@
  * - rms_norm_*, rotary_*, silu_mul_*: the llama layer's elementwise work, one pass each where
  *   torch needs five to eight kernels (and as many passes over memory), in 16-float vectors;
  *   silu_mul with exp16 and recip16.
+ * - argmax_rows_*: each row's first largest value's index (greedy sampling over the logits).
  *
  * Every function exists for float32 and bfloat16 tensors; arithmetic is float32 throughout. The
  * last argument is the thread count (torch's, which the caller passes: OpenMP's own default is
@@ -123,6 +124,25 @@ static inline __attribute__((always_inline)) v16f select16(v16i mask, v16f a, v1
     v16f out;
     memcpy(&out, &bits, sizeof out);
     return out;
+}
+
+/* Lane by lane maximum, and the lanes of v equal to x as bits (lane 0 the lowest). */
+static inline __attribute__((always_inline)) v16f max16v(v16f a, v16f b) {
+#ifdef __AVX512F__
+    return (v16f)_mm512_max_ps((__m512)a, (__m512)b);
+#else
+    return select16(a > b, a, b);
+#endif
+}
+
+static inline __attribute__((always_inline)) uint32_t equal16(v16f v, float x) {
+#ifdef __AVX512F__
+    return _mm512_cmp_ps_mask((__m512)v, _mm512_set1_ps(x), _CMP_EQ_OQ);
+#else
+    uint32_t bits = 0;
+    for (int e = 0; e < LANES; e++) bits |= (uint32_t)(v[e] == x) << e;
+    return bits;
+#endif
 }
 
 /* exp(x), lanes clamped to [-87, 88] (where float32 stays normal and finite): x = n ln2 + r with
@@ -475,6 +495,33 @@ DEFINE_SCORE(bf16, bf16_t)
         }                                                                                            \
     }
 
+/* out[r] = the index of row r's largest value, the first of equal ones (torch's max(dim=-1)
+ * index), for greedy sampling: one pass for the largest value in 16 lanes, one for where it first
+ * is. Rows with NaN are not handled as torch does (-ffast-math): the engine's logits have none. */
+#define DEFINE_ARGMAX(NAME, T, LOAD, SUFFIX)                                                         \
+    void NAME(const T *x, int64_t rows, int64_t cols, int64_t row_stride, int64_t *out, int64_t threads) { \
+        _Pragma("omp parallel for if (rows * cols >= PAR_MIN_ELEMS) num_threads(threads)")           \
+        for (int64_t r = 0; r < rows; r++) {                                                         \
+            const T *xr = x + r * row_stride;                                                        \
+            const int64_t whole = cols < LANES ? 0 : cols - cols % LANES;                            \
+            float top = LOAD(xr[0]);                                                                 \
+            if (whole) {                                                                             \
+                v16f best = load16_##SUFFIX(xr);                                                     \
+                for (int64_t c = LANES; c < whole; c += LANES) best = max16v(best, load16_##SUFFIX(xr + c)); \
+                top = max16(best);                                                                   \
+            }                                                                                        \
+            for (int64_t c = whole; c < cols; c++) top = LOAD(xr[c]) > top ? LOAD(xr[c]) : top;      \
+            int64_t at = -1;                                                                         \
+            for (int64_t c = 0; c < whole && at < 0; c += LANES) {                                   \
+                const uint32_t hits = equal16(load16_##SUFFIX(xr + c), top);                         \
+                if (hits) at = c + __builtin_ctz(hits);                                              \
+            }                                                                                        \
+            for (int64_t c = whole; c < cols && at < 0; c++)                                         \
+                if (LOAD(xr[c]) == top) at = c;                                                      \
+            out[r] = at < 0 ? 0 : at;                                                                \
+        }                                                                                            \
+    }
+
 DEFINE_PAGED_ATTEND(paged_attend_f32, float, f32, F32_STORE)
 DEFINE_PAGED_ATTEND(paged_attend_bf16, bf16_t, bf16, f32_to_bf16)
 DEFINE_RMS_NORM(rms_norm_f32, float, F32_LOAD, F32_STORE, F32_ROUND, f32)
@@ -483,6 +530,8 @@ DEFINE_ROTARY(rotary_f32, float, F32_LOAD, F32_STORE, f32)
 DEFINE_ROTARY(rotary_bf16, bf16_t, bf16_to_f32, f32_to_bf16, bf16)
 DEFINE_SILU_MUL(silu_mul_f32, float, F32_LOAD, F32_STORE, F32_ROUND, f32)
 DEFINE_SILU_MUL(silu_mul_bf16, bf16_t, bf16_to_f32, f32_to_bf16, BF16_ROUND, bf16)
+DEFINE_ARGMAX(argmax_rows_f32, float, F32_LOAD, f32)
+DEFINE_ARGMAX(argmax_rows_bf16, bf16_t, bf16_to_f32, bf16)
 
 /* Limits the Python side checks before choosing paged_attend. */
 int64_t paged_attend_max_group(void) { return MAX_GROUP; }
