@@ -10,7 +10,8 @@ can tell whose answer a later turn carries.
 Behaviour is chosen per request by the prompt text: "http400" / "http429" / "http500" reply with
 that error, "drop" streams two chunks then ends without [DONE], "error-event" sends an error
 event mid-stream, "abort" finishes with finish_reason "abort", "hang" streams nothing for a long
-time, "huge-line" sends an event line of 600 KiB (over the client's line limit); anything else (text or token ids) streams `max_tokens` chunks `token_delay` apart.
+time, "huge-line" sends an event line of 600 KiB (over the client's line limit); anything else
+(text or token ids) streams `max_tokens` chunks `token_delay` apart.
 """
 
 from __future__ import annotations

