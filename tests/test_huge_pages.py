@@ -42,7 +42,9 @@ def test_zeros_lie_side_by_side_in_one_aligned_arena_and_are_zero():
 def test_the_arena_is_marked_for_huge_pages():
     memory = huge_pages.arena(8 * huge_pages.HUGE_PAGE + 5)
     assert memory.numel() == 8 * huge_pages.HUGE_PAGE + 5 and not memory.any()
-    assert "hg" in _vma_flags(memory.data_ptr())  # the kernel recorded MADV_HUGEPAGE on the mapping
+    flags = _vma_flags(memory.data_ptr())
+    assert "hg" in flags  # the kernel recorded MADV_HUGEPAGE on the mapping
+    assert "sh" not in flags  # private: a shared anonymous mapping's huge pages follow shmem_enabled
 
 
 def test_the_engine_keeps_its_kv_cache_and_packed_weights_in_arenas(make_engine):

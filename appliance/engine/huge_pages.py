@@ -46,20 +46,21 @@ _MADVISE = _madvise()
 
 def arena(nbytes: int) -> torch.Tensor:
     """`nbytes` of zeroed CPU memory (uint8) in a mapping of its own, starting on a 2 MB boundary,
-    asked to be backed by 2 MB pages before any of it is touched."""
+    asked to be backed by 2 MB pages before any of it is touched, then touched whole."""
     length = math.ceil(max(nbytes, 1) / HUGE_PAGE) * HUGE_PAGE
-    mapping = torch.frombuffer(mmap.mmap(-1, length + HUGE_PAGE), dtype=torch.uint8)  # keeps the map alive
+    # private: an anonymous shared mapping is shmem, whose huge pages follow shmem_enabled (often "never")
+    anonymous = mmap.mmap(-1, length + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    mapping = torch.frombuffer(anonymous, dtype=torch.uint8)  # keeps the mapping alive
     start = -mapping.data_ptr() % HUGE_PAGE
     memory = mapping[start : start + length]
     if _MADVISE is not None and _MADVISE(memory.data_ptr(), length, mmap.MADV_HUGEPAGE) != 0:
         log.info("madvise(MADV_HUGEPAGE) failed (errno %d): the KV cache and weights stay on 4 KB pages",
                  ctypes.get_errno())
-    return memory[:nbytes]
+    return memory[:nbytes].zero_()  # faulted in now, not by the engine's steps (a 2 MB page at a time)
 
 
 def zeros(shapes: Sequence[Sequence[int]], dtype: torch.dtype) -> list[torch.Tensor]:
-    """Zero-filled contiguous CPU tensors of `shapes` (as a fresh mapping is: a page is faulted in
-    when first touched), side by side in one arena on 2 MB pages."""
+    """Zero-filled contiguous CPU tensors of `shapes`, side by side in one arena on 2 MB pages."""
     sizes = [math.prod(shape) * dtype.itemsize for shape in shapes]
     offsets, end = [], 0
     for size in sizes:
