@@ -3,7 +3,7 @@
 
 Each request is streamed and timed on the client: TTFT, the gaps between chunks and E2E (see
 `metrics`). The streams go through aiohttp, whose HTTP parser is C: a skewed-48 run's 3,228
-events cost this process 0.15 s of CPU against 0.42-0.47 s through httpx (whose h11 parser is
+events cost this process 0.15-0.21 s of CPU against 0.42-0.47 s through httpx (whose h11 parser is
 Python), CPU taken from the server under test when both share a machine (and from the engine's
 own thread when the dashboard runs the load test inside `appliance serve`). The few control
 calls around a run (model, knobs, replica, knob history) use httpx, as the other clients here.
