@@ -283,7 +283,7 @@ def matmul_calls(w: torch.Tensor) -> list:
         if packed.packed is not None:
             calls.append(packed.onednn_matmul)
         if packed.own is not None:
-            packed.own = huge_pages.zeros([packed.own.shape], w.dtype)[0].copy_(packed.own)
+            packed.own = huge_pages.zeros([packed.own.shape], w.dtype, fault_in=False)[0].copy_(packed.own)
             calls.append(lambda x: kernels.gemm(x, packed.own, w.shape[0]))
     return calls
 

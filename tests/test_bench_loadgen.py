@@ -147,6 +147,8 @@ def test_streams_take_the_environments_proxy_once_as_httpx_does(monkeypatch):
     assert environment_proxy("http://10.1.2.3:8000") is None
     monkeypatch.setenv("http_proxy", "http://proxy.example:3128")
     assert environment_proxy("http://10.1.2.3:8000") == "http://proxy.example:3128"
+    monkeypatch.setenv("http_proxy", "proxy.example:3128")  # no scheme: http://, as httpx reads it
+    assert environment_proxy("http://10.1.2.3:8000") == "http://proxy.example:3128"
     monkeypatch.setenv("no_proxy", "10.1.2.3,localhost")
     assert environment_proxy("http://10.1.2.3:8000") is None
 

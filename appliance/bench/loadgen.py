@@ -164,13 +164,15 @@ async def iter_sse_data(lines: AsyncIterable[str]) -> AsyncIterator[str]:
 
 
 def environment_proxy(url: str) -> str | None:
-    """The proxy the environment names for `url` (HTTP_PROXY / HTTPS_PROXY, unless NO_PROXY covers
-    its host), as httpx takes it for the control calls; looked up once per run, where aiohttp's
-    trust_env would look it (and ~/.netrc) up on a thread for every request."""
+    """The HTTP proxy the environment names for `url` (HTTP_PROXY / HTTPS_PROXY, unless NO_PROXY
+    covers its host; http:// assumed where it gives no scheme, as httpx does for the control
+    calls; ALL_PROXY, often socks, is not used), looked up once per run, where aiohttp's trust_env
+    would look it (and ~/.netrc) up on a thread for every request."""
     parts = urllib.parse.urlsplit(url)
     if not parts.hostname or urllib.request.proxy_bypass(parts.hostname):
         return None
-    return urllib.request.getproxies().get(parts.scheme)
+    proxy = urllib.request.getproxies().get(parts.scheme)
+    return proxy if proxy is None or "://" in proxy else f"http://{proxy}"
 
 
 def http_error_kind(status: int) -> str:

@@ -241,7 +241,7 @@ class FastLlamaForward:
         self.kernels = kernels  # the runner passes them only for a dtype and device they support
         owned = [linear for linear in self.linears() if linear.own is not None]  # the kernels decline some
         if owned:  # the copies a decode step streams, on 2 MB pages (see huge_pages), one moved at a time
-            places = huge_pages.zeros([linear.own.shape for linear in owned], owned[0].own.dtype)
+            places = huge_pages.zeros([linear.own.shape for linear in owned], owned[0].own.dtype, fault_in=False)
             for linear, place in zip(owned, places):
                 linear.own = place.copy_(linear.own)
         self.own_rows = own_rows_on_this_cpu([layer.gate_up for layer in self.layers])
