@@ -32,8 +32,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from appliance.engine import EngineConfig, Knobs, LLMEngine, SamplingParams, cpu_kernels, huge_pages
-from appliance.engine.fast_llama import PackedLinear
+from appliance.engine import EngineConfig, Knobs, LLMEngine, SamplingParams, cpu_kernels
+from appliance.engine.fast_llama import PackedLinear, own_copies_on_huge_pages
 from appliance.model_loader import load_model
 
 # The CPU default, also on a GPU (where the default would take 90 % of its memory for every engine).
@@ -283,7 +283,7 @@ def matmul_calls(w: torch.Tensor) -> list:
         if packed.packed is not None:
             calls.append(packed.onednn_matmul)
         if packed.own is not None:
-            packed.own = huge_pages.zeros([packed.own.shape], w.dtype, fault_in=False)[0].copy_(packed.own)
+            own_copies_on_huge_pages([packed])
             calls.append(lambda x: kernels.gemm(x, packed.own, w.shape[0]))
     return calls
 

@@ -9,6 +9,8 @@ import torch
 
 from appliance.engine import huge_pages
 
+THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")  # present where the kernel has THP
+
 
 def _vma_flags(address: int) -> list[str]:
     """VmFlags of the mapping of this process that holds `address` (/proc/self/smaps)."""
@@ -37,7 +39,7 @@ def test_zeros_lie_side_by_side_in_one_aligned_arena_and_are_zero():
     assert not tensors[1].any() and not tensors[2].any()  # writing one leaves its neighbours
 
 
-@pytest.mark.skipif(not huge_pages.THP_SETTING.exists(),
+@pytest.mark.skipif(not THP_SETTING.exists(),
                     reason="this kernel has no transparent huge pages (madvise(MADV_HUGEPAGE) is Linux's)")
 def test_the_arena_is_marked_for_huge_pages():
     memory = huge_pages.arena(8 * huge_pages.HUGE_PAGE + 5)

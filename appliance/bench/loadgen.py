@@ -180,10 +180,6 @@ def http_error_kind(status: int) -> str:
     return "http_5xx" if status >= 500 else f"http_{status}"
 
 
-def _error_message(response: httpx.Response) -> str:
-    return _error_text(response.text, response.reason_phrase)
-
-
 def _error_text(body: str, reason: str) -> str:
     """An error reply's message: OpenAI's error.message when the body has one, else its start."""
     try:
@@ -497,7 +493,7 @@ class LoadGenerator:
         response = await _get(client, "/v1/models")
         if response.status_code != 200:
             raise BenchError(f"GET {self.base_url}/v1/models: HTTP {response.status_code}: "
-                             f"{_error_message(response)}")
+                             f"{_error_text(response.text, response.reason_phrase)}")
         try:
             return response.json()["data"][0]["id"]
         except (ValueError, KeyError, IndexError, TypeError):

@@ -188,6 +188,18 @@ def faster_plain_rows(linear: PackedLinear, timed: Callable[[Sequence[Callable[[
     return rows_won
 
 
+def own_copies_on_huge_pages(linears: Sequence[PackedLinear]) -> list[PackedLinear]:
+    """Move the own GEMM's packed copies of `linears` into one arena on 2 MB pages (see
+    huge_pages), one at a time (each old copy is freed as the next moves); returns the linears
+    that have one (the kernels decline some weights)."""
+    owned = [linear for linear in linears if linear.own is not None]
+    if owned:
+        places = huge_pages.zeros([linear.own.shape for linear in owned], owned[0].own.dtype, fault_in=False)
+        for linear, place in zip(owned, places):
+            linear.own = place.copy_(linear.own)
+    return owned
+
+
 def _fuse(linears: list[torch.nn.Linear]) -> torch.Tensor:
     """Concatenate Linear weights and re-point each Linear at its slice of the fused tensor."""
     fused = torch.cat([lin.weight.data for lin in linears]).contiguous()
@@ -239,11 +251,7 @@ class FastLlamaForward:
         self.num_kv_heads = cfg.num_key_value_heads
         self.lm_head = PackedLinear(model.lm_head.weight, kernels=kernels)
         self.kernels = kernels  # the runner passes them only for a dtype and device they support
-        owned = [linear for linear in self.linears() if linear.own is not None]  # the kernels decline some
-        if owned:  # the copies a decode step streams, on 2 MB pages (see huge_pages), one moved at a time
-            places = huge_pages.zeros([linear.own.shape for linear in owned], owned[0].own.dtype, fault_in=False)
-            for linear, place in zip(owned, places):
-                linear.own = place.copy_(linear.own)
+        owned = own_copies_on_huge_pages(self.linears())  # the copies a decode step streams
         self.own_rows = own_rows_on_this_cpu([layer.gate_up for layer in self.layers])
         for linear in owned:
             linear.own_rows = self.own_rows

@@ -18,7 +18,6 @@ import logging
 import math
 import mmap
 import sys
-from pathlib import Path
 from typing import Sequence
 
 import torch
@@ -27,7 +26,6 @@ log = logging.getLogger(__name__)
 
 HUGE_PAGE = 2 << 20
 ALIGN = 4096  # each tensor in an arena starts on a 4 KB boundary
-THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
 def _madvise():
