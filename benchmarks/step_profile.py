@@ -2,7 +2,11 @@
 
 In-process: the engine (the server's defaults otherwise) brings `batch` requests of a
 `--context`-token prompt into steady decode, then runs `--steps` steps with timers wrapped around
-its parts (perf_counter, inclusive, children subtracted from parents):
+its parts (perf_counter, inclusive, children subtracted from parents). The parts of the forward
+are timed with its layers looped over in Python (`fuse_layers` off); where the engine runs them
+in one `decoder_layers` call (the C kernels, every matmul by the own GEMM), the same steps are
+then run that way too, and that step time (`layers in one call`) is the one the served figures
+are compared with:
 
 - matmuls: every projection and the LM head (`PackedLinear`)
 - attention: the KV cache writes and decode attention (`paged_attention`)
@@ -19,7 +23,7 @@ Served: `appliance serve` with the same knobs, `batch` streaming completions of 
 at once from this process; from the server's telemetry store, the engine's own step time and the
 gap between steps (the engine thread outside `step`: handing outputs to the event loop, waiting
 for the GIL), against the client's token rate. `HTTP/SSE + threads` = served time per step minus
-the in-process step.
+the engine's in-process step (its layers in one call where it runs them so).
 
     python benchmarks/step_profile.py [--dtype float32] [--batches 1,16,64] [--steps 30] [--no-served]
 """
@@ -99,11 +103,16 @@ def prompt_ids(context: int) -> list[int]:
     return [100 + (7 * j) % 5000 for j in range(context)]
 
 
-def in_process(loaded, batch: int, context: int, steps: int, timers: Timers, telemetry_url: str) -> dict:
+def in_process(loaded, batch: int, context: int, steps: int, timers: Timers, telemetry_url: str,
+               fuse_layers: bool) -> dict:
     from appliance.telemetry import store
     from appliance.telemetry.writer import TelemetryWriter
 
     engine = LLMEngine(EngineConfig(dtype=str(loaded.dtype).split(".")[-1], knobs=knobs_for(batch)), loaded=loaded)
+    fast = engine.runner.fast
+    fused = fast is not None and fast.fuse_layers and fast.plain_rows < batch <= fast.own_rows
+    if fast is not None:
+        fast.fuse_layers &= fuse_layers
     store.upgrade(telemetry_url)
     writer = TelemetryWriter(telemetry_url, "step-profile").start()
     engine.add_sink(writer)
@@ -123,7 +132,7 @@ def in_process(loaded, batch: int, context: int, steps: int, timers: Timers, tel
     finally:
         writer.close()
     parts = {c: 1000 * timers.exclusive.get(c, 0.0) / steps for c in CATEGORIES}
-    return {"batch": batch, "step_ms": 1000 * wall / steps, "parts_ms": parts}
+    return {"batch": batch, "step_ms": 1000 * wall / steps, "parts_ms": parts, "fused": fused}
 
 
 async def _stream_all(base_url: str, batch: int, context: int, max_tokens: int) -> list[list[float]]:
@@ -189,7 +198,12 @@ def main() -> None:
     folder = Path(tempfile.mkdtemp(prefix="step-profile-"))
     results = []
     for batch in batches:
-        results.append(in_process(loaded, batch, args.context, args.steps, timers, f"sqlite:///{folder / f'{batch}.db'}"))
+        url = f"sqlite:///{folder / f'{batch}.db'}"
+        results.append(in_process(loaded, batch, args.context, args.steps, timers, url, fuse_layers=False))
+        if results[-1]["fused"]:  # as the engine runs them: the layers in one call
+            results[-1]["engine_step_ms"] = in_process(loaded, batch, args.context, args.steps, timers, url, True)["step_ms"]
+        else:
+            results[-1]["engine_step_ms"] = results[-1]["step_ms"]
     if not args.no_served:
         for r in results:
             r["served"] = served(args.dtype, r["batch"], args.context, args.steps)
@@ -200,17 +214,20 @@ def main() -> None:
         print(f"{c:24s}" + "".join(f"{r['parts_ms'][c]:9.2f} ({100 * r['parts_ms'][c] / r['step_ms']:4.1f} %)" for r in results))
     print(f"{'in-process step':24s}" + "".join(f"{r['step_ms']:9.2f}{'':9s}" for r in results))
     print(f"{'in-process tok/s':24s}" + "".join(f"{1000 * r['batch'] / r['step_ms']:9.1f}{'':9s}" for r in results))
+    print(f"{'layers in one call':24s}" + "".join(
+        f"{r['engine_step_ms']:9.2f}{'':9s}" if r["fused"] else f"{'(loop)':>9s}{'':9s}" for r in results))
+    print(f"{'  tok/s':24s}" + "".join(f"{1000 * r['batch'] / r['engine_step_ms']:9.1f}{'':9s}" for r in results))
     if not args.no_served:
-        print("served (appliance serve, streaming, all at once):")
+        print("served (appliance serve, streaming, all at once), against the engine's in-process step:")
         print(f"{'  engine step':24s}" + "".join(f"{r['served']['step_ms']:9.2f}{'':9s}" for r in results))
         print(f"{'  gap between steps':24s}" + "".join(f"{r['served']['gap_ms']:9.2f}{'':9s}" for r in results))
         print(f"{'  HTTP/SSE + threads':24s}" + "".join(
-            f"{r['served']['step_ms'] + r['served']['gap_ms'] - r['step_ms']:9.2f} "
-            f"({100 * (r['served']['step_ms'] + r['served']['gap_ms'] - r['step_ms']) / r['step_ms']:4.1f} %)"
+            f"{r['served']['step_ms'] + r['served']['gap_ms'] - r['engine_step_ms']:9.2f} "
+            f"({100 * (r['served']['step_ms'] + r['served']['gap_ms'] - r['engine_step_ms']) / r['engine_step_ms']:4.1f} %)"
             for r in results))
         print(f"{'  client tok/s':24s}" + "".join(f"{r['served']['client_tok_s']:9.1f}{'':9s}" for r in results))
         print(f"{'  served / in-process':24s}" + "".join(
-            f"{r['served']['client_tok_s'] * r['step_ms'] / (1000 * r['batch']):9.2f}{'':9s}" for r in results))
+            f"{r['served']['client_tok_s'] * r['engine_step_ms'] / (1000 * r['batch']):9.2f}{'':9s}" for r in results))
     if args.json:
         print(json.dumps(results))
 

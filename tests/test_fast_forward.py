@@ -160,3 +160,58 @@ def test_one_row_decode_logits_match_transformers_either_way(loaded_model, monke
     got = _last_logits(engine, prompt)  # one token a step: every step runs one row
     assert torch.allclose(got, reference, atol=1e-3, rtol=1e-4), (got - reference).abs().max()
     assert got.argmax() == reference.argmax()
+
+
+def _step_logits(engine, prompts: list[list[int]], max_tokens: int) -> tuple[list[torch.Tensor], int]:
+    """Every step's logits over `prompts` (greedy, run to max_tokens), and how many steps ran their
+    layers in one `decoder_layers` call."""
+    steps, in_one_call = [], 0
+    fast, execute, one_call = engine.runner.fast, engine.runner.execute, engine.runner.fast._layers_in_one_call
+
+    def counted(*args):
+        nonlocal in_one_call
+        in_one_call += 1
+        return one_call(*args)
+
+    def kept(sched):
+        result = execute(sched)
+        steps.append(result.logits.clone())
+        return result
+
+    fast._layers_in_one_call, engine.runner.execute = counted, kept
+    engine.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+    return steps, in_one_call
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("policy, kernel_prefill", [("continuous", 4096), ("continuous", 0), ("static", 4096)])
+def test_layers_in_one_call_give_the_python_loops_logits_bit_for_bit(loaded_model, kernel, monkeypatch, dtype, policy,
+                                                                    kernel_prefill):
+    """decoder_layers runs the kernels the Python loop calls, in its order: every step's logits
+    are equal to the bit, decode steps (static's padding rows among them) and prefill chunks the
+    kernel attends run in one call, and chunks SDPA attends (kernel_prefill 0) go the loop's way."""
+    if dtype == "bfloat16" and torch.bfloat16 not in kernel.gemm_dtypes:
+        pytest.skip("the kernels' bfloat16 GEMM is not built on this CPU (no AVX512-BF16): nothing runs in one call")
+    from appliance.engine import model_runner
+    from appliance.model_loader import load_model
+
+    loaded = loaded_model if dtype == "float32" else load_model(dtype="bfloat16", device="cpu")
+    monkeypatch.setattr(fast_llama, "_OWN_ROWS", {})
+    monkeypatch.setattr(fast_llama, "faster_own_rows", lambda linears, **_: 64)  # any CPU: every step below fits
+    monkeypatch.setattr(fast_llama, "faster_plain_rows", lambda linear, **_: 0)
+    monkeypatch.setattr(model_runner, "kernel_prefill_context", lambda *args, **kwargs: kernel_prefill)
+    prompts = [[100 + (7 * j + 13 * i) % 5000 for j in range(9 + 23 * i)] for i in range(3)]  # 9, 32, 55 tokens
+    runs = []
+    for fuse in (True, False):
+        cfg = EngineConfig(dtype=dtype, device="cpu", num_blocks=64, knobs=Knobs(
+            max_num_seqs=3, max_num_batched_tokens=48, long_prefill_token_threshold=24, scheduling_policy=policy))
+        engine = LLMEngine(cfg, loaded=loaded)
+        engine.runner.fast.fuse_layers &= fuse
+        runs.append(_step_logits(engine, prompts, max_tokens=12))
+    (fused, in_one_call), (looped, in_loop) = runs
+    assert in_loop == 0 and len(fused) == len(looped)
+    assert all(torch.equal(a, b) for a, b in zip(fused, looped))
+    if kernel_prefill:
+        assert in_one_call == len(fused)  # every step: decode rows and the kernel's prefill chunks
+    else:  # the chunks SDPA attends ran through the loop; the last prompt's 11 decode steps at least did not
+        assert 11 <= in_one_call < len(fused)

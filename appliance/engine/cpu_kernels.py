@@ -11,6 +11,8 @@ cached per source, flags and CPU, loaded with ctypes.
 - `gemm` (csrc/packed_gemm.c) multiplies a few float32 rows, or bfloat16 rows where the CPU has
   AVX512-BF16, by a weight packed once for it (`pack_gemm`): at a decode step's row counts it
   beats oneDNN's packed matmul (the lean forward times the two and uses it where it wins).
+- `decoder_layers` (csrc/decoder_layers.c) runs every decoder layer of a step through the kernels
+  above in one call, where the lean forward would call them one by one from Python.
 
 Optional: without a compiler, or if the build fails, `load()` returns None and the engine keeps
 its torch paths (same results up to float rounding; both are tested).
@@ -25,6 +27,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -34,7 +37,7 @@ from ..model_loader import cache_root
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name("csrc") / name for name in ("cpu_kernels.c", "packed_gemm.c")]
+SOURCES = [Path(__file__).with_name("csrc") / name for name in ("cpu_kernels.c", "packed_gemm.c", "decoder_layers.c")]
 # -ffast-math at compile time only: linked with it, gcc adds crtfastmath.o, whose constructor
 # turns on flush-to-zero for the whole process (subnormal floats silently become 0 everywhere).
 COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
@@ -49,7 +52,19 @@ _SIGNATURES = {
     "argmax_rows": [_P, _I, _I, _I, _P, _I],
 }
 _GEMM_SIGNATURE = [_P, _I, _I, _I, _P, _I, _P, _P, _I]  # gemm_f32, and gemm_bf16 where built (AVX512-BF16)
+# decoder_layers_f32, and decoder_layers_bf16 where gemm_bf16 is built
+_LAYERS_SIGNATURE = [_P, _I, _I, _I, _P, _P, _I, _I, _I, _I, _P, _P, _P, _P, _I, _P, _I, _I, _I, _F, _P, _I]
 _state: dict[str, CpuKernels | None] = {}
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """A decoder layer's sizes, as `decoder_layers` takes them."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+    inter: int  # the MLP's intermediate size
 
 
 class CpuKernels:
@@ -60,11 +75,15 @@ class CpuKernels:
         self.max_dim = lib.paged_attend_max_dim()
         self.dim_multiple = lib.paged_attend_dim_multiple()
         self.panel_width = lib.gemm_panel_width()
+        self.layer_pointers = lib.decoder_layer_pointers()
         self._gemms: dict[torch.dtype, ctypes._CFuncPtr] = {}
+        self._layers: dict[torch.dtype, ctypes._CFuncPtr] = {}
         for dtype, suffix in _SUFFIX.items():
             if hasattr(lib, f"gemm_{suffix}"):
                 fn = self._gemms[dtype] = getattr(lib, f"gemm_{suffix}")
                 fn.argtypes, fn.restype = _GEMM_SIGNATURE, None
+                fn = self._layers[dtype] = getattr(lib, f"decoder_layers_{suffix}")
+                fn.argtypes, fn.restype = _LAYERS_SIGNATURE, None
         self._fns: dict[tuple[str, torch.dtype], ctypes._CFuncPtr] = {}
         for name, argtypes in _SIGNATURES.items():
             for dtype, suffix in _SUFFIX.items():
@@ -135,6 +154,27 @@ class CpuKernels:
             block_tables.shape[1], ctx_lens.data_ptr(), rows, rows if cold_rows is None else cold_rows, num_heads,
             kv_heads, head_dim, block_size, slots,
             scale, out.data_ptr(), torch.get_num_threads())
+
+    def decoder_layers(self, h: torch.Tensor, layers: torch.Tensor, eps: torch.Tensor, shape: LayerShape,
+                       cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                       ctx_lens: torch.Tensor, cold_rows: int, block_size: int, num_slots: int, scale: float) -> None:
+        """Every decoder layer over h [rows, hidden] (in place), each as the lean forward runs it
+        with these kernels (csrc/decoder_layers.c): the whole attention by `paged_attend` (every
+        row), every matmul by `gemm`. `layers` [num_layers, layer_pointers] int64 holds each
+        layer's addresses (its norms' weights, the packed copies of its q/k/v, o, gate/up and down
+        weights, its K and V caches), `eps` [num_layers, 2] float32 its norms' epsilons; cos/sin
+        [rows, head_dim], slot_mapping [rows], block_tables and ctx_lens as `paged_attend` takes them."""
+        rows, hidden = h.shape
+        assert h.dtype in self._layers and layers.shape[1] == self.layer_pointers and eps.shape == (layers.shape[0], 2)
+        assert all(t.is_contiguous() for t in (h, layers, eps, cos, sin, slot_mapping, block_tables, ctx_lens))
+        assert layers.dtype == slot_mapping.dtype == torch.int64 and eps.dtype == torch.float32
+        work = h.new_empty(rows * (2 * hidden + (shape.heads + 2 * shape.kv_heads) * shape.head_dim
+                                   + shape.heads * shape.head_dim + 3 * shape.inter))
+        self._layers[h.dtype](
+            h.data_ptr(), rows, hidden, layers.shape[0], layers.data_ptr(), eps.data_ptr(), shape.heads, shape.kv_heads,
+            shape.head_dim, shape.inter, cos.data_ptr(), sin.data_ptr(), slot_mapping.data_ptr(), block_tables.data_ptr(),
+            block_tables.shape[1], ctx_lens.data_ptr(), cold_rows, block_size, num_slots, scale, work.data_ptr(),
+            torch.get_num_threads())
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """transformers' LlamaRMSNorm of each row of x [rows, dim]."""

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from appliance.numeric import best_times
 
 from . import huge_pages
-from .cpu_kernels import CpuKernels
+from .cpu_kernels import CpuKernels, LayerShape
 from .paged_attention import AttentionMetadata, paged_attention
 
 log = logging.getLogger(__name__)
@@ -264,6 +264,30 @@ class FastLlamaForward:
         if self.plain_rows:
             log.info("matmuls of at most %d row(s) run unpacked (BLAS beat the packed call on this CPU)",
                      self.plain_rows)
+        self.layer_shape = LayerShape(self.num_heads, self.num_kv_heads, self.head_dim, cfg.intermediate_size)
+        self.layer_eps = torch.tensor([[layer.eps1, layer.eps2] for layer in self.layers], dtype=torch.float32)
+        self._layer_table: tuple[list, torch.Tensor] | None = None  # (the KV caches, every layer's addresses)
+        self.fuse_layers = (bool(self.layers) and len({layer.scaling for layer in self.layers}) == 1
+                            and all(linear.own is not None for linear in self.linears()[:-1]))
+
+    def _in_one_call(self, rows: int, meta: AttentionMetadata) -> bool:
+        """Whether this step's layers run as one `decoder_layers` call: every row attended by the
+        kernel, every matmul by the own GEMM (the calls the Python loop would make, in one)."""
+        by_kernel = meta.kernel_rows
+        return (self.fuse_layers and self.plain_rows < rows <= self.own_rows and by_kernel is not None
+                and by_kernel.rows == rows and not meta.decode_groups and not meta.prefills)
+
+    def _layers_in_one_call(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> None:
+        if self._layer_table is None or self._layer_table[0] is not meta.kv_caches:
+            table = [[layer.ln1.data_ptr(), layer.ln2.data_ptr(), layer.qkv.own.data_ptr(), layer.o.own.data_ptr(),
+                      layer.gate_up.own.data_ptr(), layer.down.own.data_ptr(),
+                      *(cache.data_ptr() for cache in meta.kv_caches[layer.idx])] for layer in self.layers]
+            self._layer_table = meta.kv_caches, torch.tensor(table, dtype=torch.int64)
+        by_kernel, (k_cache, _) = meta.kernel_rows, meta.kv_caches[0]
+        scaling = self.layers[0].scaling
+        self.kernels.decoder_layers(h, self._layer_table[1], self.layer_eps, self.layer_shape, cos, sin, meta.slot_mapping,
+                                    by_kernel.block_tables, by_kernel.ctx_lens, by_kernel.decode_rows, meta.block_size,
+                                    k_cache.shape[1], scaling if scaling is not None else self.head_dim**-0.5)
 
     def linears(self) -> list[PackedLinear]:
         """Every matmul of the forward (the layers' projections and the LM head)."""
@@ -298,10 +322,13 @@ class FastLlamaForward:
         cos, sin = self.inner.rotary_emb(h.unsqueeze(0), positions.unsqueeze(0))
         cos, sin = cos[0].contiguous(), sin[0].contiguous()  # [T, D]
         total = ids.shape[0]
-        for layer in self.layers:
-            q, k, v = self._qkv(layer, self._norm(h, layer.ln1, layer.eps1), cos, sin)
-            attn = paged_attention(layer.idx, q, k, v, meta, layer.scaling)
-            h = layer.o(attn.view(total, -1), residual=h)
-            h = layer.down(self._act(layer.gate_up(self._norm(h, layer.ln2, layer.eps2))), residual=h)
+        if self._in_one_call(total, meta):
+            self._layers_in_one_call(h, cos, sin, meta)
+        else:
+            for layer in self.layers:
+                q, k, v = self._qkv(layer, self._norm(h, layer.ln1, layer.eps1), cos, sin)
+                attn = paged_attention(layer.idx, q, k, v, meta, layer.scaling)
+                h = layer.o(attn.view(total, -1), residual=h)
+                h = layer.down(self._act(layer.gate_up(self._norm(h, layer.ln2, layer.eps2))), residual=h)
         norm = self.inner.norm
         return self.lm_head(self._norm(h[keep], norm.weight, norm.variance_epsilon))
