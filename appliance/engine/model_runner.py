@@ -108,7 +108,7 @@ class ModelRunner:
         sample_indices: list[int] = []
 
         # Decode rows, longest context first (groups of similar length follow from it; the kernel's
-        # dynamic OpenMP schedule starts the longest first; the prefill rows it takes come after
+        # dynamic schedule starts the longest first; the prefill rows it takes come after
         # them, short work over a context in cache): context = every computed token plus the new one.
         decodes.sort(key=lambda item: -item.seq.num_computed_tokens)
         ctx_lens: list[int] = []
