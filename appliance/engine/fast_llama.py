@@ -123,7 +123,7 @@ class PackedLinear:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
 
 
-OWN_ROWS_TRIED = (1, 4, 8, 16, 32, 64, 128, 256)
+OWN_ROWS_TRIED = (1, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
 def faster_own_rows(linears: Sequence[PackedLinear],
@@ -134,7 +134,7 @@ def faster_own_rows(linears: Sequence[PackedLinear],
     layer's gate/up: each weight streamed from memory as a step streams it, where one weight timed
     again and again sits in cache and tells a different story; each with the kernels' packed copy),
     `timed` now in this thread."""
-    timed = timed or functools.partial(best_times, repeats=3, calls=1)  # 256 rows: ~0.1 s a pass
+    timed = timed or functools.partial(best_times, repeats=3, calls=1)  # 512 rows: ~0.1-0.2 s a pass
     others = [linear.onednn_matmul if linear.packed is not None else functools.partial(F.linear, weight=linear.weight)
               for linear in linears]
     rows_won = 0
