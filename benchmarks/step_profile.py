@@ -1,12 +1,12 @@
 """Where one decode step's time goes, at batch 1, 16 and 64 (not a test; prints a table).
 
 In-process: the engine (the server's defaults otherwise) brings `batch` requests of a
-`--context`-token prompt into steady decode, then runs `--steps` steps with timers wrapped around
-its parts (perf_counter, inclusive, children subtracted from parents). The parts of the forward
-are timed with its layers looped over in Python (`fuse_layers` off); where the engine runs them
-in one `decoder_layers` call (the C kernels, every matmul by the own GEMM), the same steps are
-then run that way too, and that step time (`layers in one call`) is the one the served figures
-are compared with:
+`--context`-token prompt into steady decode, then runs `--steps` steps. First without timers,
+twice: with the layers looped over in Python (`fuse_layers` off: `the step, looped`) and as the
+engine runs them (`the step, as run`: in one `decoder_layers` call where it takes them, the C
+kernels with every matmul by the own GEMM; the served figures are compared with this one). Then
+looped again, with timers wrapped around its parts (perf_counter, inclusive, children subtracted
+from parents; the timers' own cost is in that `profiled step`):
 
 - matmuls: every projection and the LM head (`PackedLinear`)
 - attention: the KV cache writes and decode attention (`paged_attention`)
@@ -103,16 +103,24 @@ def prompt_ids(context: int) -> list[int]:
     return [100 + (7 * j) % 5000 for j in range(context)]
 
 
-def in_process(loaded, batch: int, context: int, steps: int, timers: Timers, telemetry_url: str,
-               fuse_layers: bool) -> dict:
+def in_process(loaded, batch: int, context: int, steps: int, telemetry_url: str, fuse_layers: bool,
+               timers: Timers | None = None) -> dict:
+    """Steady decode steps' mean time; the parts' with `timers` (installed by `instrument`);
+    `fused`: whether every timed step ran its layers in one call."""
     from appliance.telemetry import store
     from appliance.telemetry.writer import TelemetryWriter
 
     engine = LLMEngine(EngineConfig(dtype=str(loaded.dtype).split(".")[-1], knobs=knobs_for(batch)), loaded=loaded)
-    fast = engine.runner.fast
-    fused = fast is not None and fast.fuse_layers and fast.plain_rows < batch <= fast.own_rows
+    fast, in_one_call = engine.runner.fast, [0]
     if fast is not None:
         fast.fuse_layers &= fuse_layers
+        one_call = fast._layers_in_one_call
+
+        def counted(*args):
+            in_one_call[0] += 1
+            return one_call(*args)
+
+        fast._layers_in_one_call = counted
     store.upgrade(telemetry_url)
     writer = TelemetryWriter(telemetry_url, "step-profile").start()
     engine.add_sink(writer)
@@ -124,15 +132,17 @@ def in_process(loaded, batch: int, context: int, steps: int, timers: Timers, tel
             engine.step()
         for _ in range(3):
             engine.step()
-        timers.reset()
+        if timers:
+            timers.reset()
+        in_one_call[0] = 0
         t = time.perf_counter()
         for _ in range(steps):
             engine.step()
         wall = time.perf_counter() - t
     finally:
         writer.close()
-    parts = {c: 1000 * timers.exclusive.get(c, 0.0) / steps for c in CATEGORIES}
-    return {"batch": batch, "step_ms": 1000 * wall / steps, "parts_ms": parts, "fused": fused}
+    parts = {c: 1000 * timers.exclusive.get(c, 0.0) / steps for c in CATEGORIES} if timers else None
+    return {"batch": batch, "step_ms": 1000 * wall / steps, "parts_ms": parts, "fused": in_one_call[0] == steps}
 
 
 async def _stream_all(base_url: str, batch: int, context: int, max_tokens: int) -> list[list[float]]:
@@ -193,17 +203,19 @@ def main() -> None:
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     loaded = load_model(dtype=args.dtype, device="cpu")
-    timers = Timers()
-    instrument(timers)
     folder = Path(tempfile.mkdtemp(prefix="step-profile-"))
     results = []
     for batch in batches:
-        url = f"sqlite:///{folder / f'{batch}.db'}"
-        results.append(in_process(loaded, batch, args.context, args.steps, timers, url, fuse_layers=False))
-        if results[-1]["fused"]:  # as the engine runs them: the layers in one call
-            results[-1]["engine_step_ms"] = in_process(loaded, batch, args.context, args.steps, timers, url, True)["step_ms"]
-        else:
-            results[-1]["engine_step_ms"] = results[-1]["step_ms"]
+        looped, as_run = (in_process(loaded, batch, args.context, args.steps, f"sqlite:///{folder / f'{batch}-{way}.db'}",
+                                     fuse_layers=way == "as-run") for way in ("looped", "as-run"))
+        results.append({"batch": batch, "looped_ms": looped["step_ms"], "engine_step_ms": as_run["step_ms"],
+                        "fused": as_run["fused"]})
+    timers = Timers()
+    instrument(timers)
+    for r in results:
+        url = f"sqlite:///{folder / (str(r['batch']) + '-profiled.db')}"
+        profiled = in_process(loaded, r["batch"], args.context, args.steps, url, fuse_layers=False, timers=timers)
+        r["step_ms"], r["parts_ms"] = profiled["step_ms"], profiled["parts_ms"]
     if not args.no_served:
         for r in results:
             r["served"] = served(args.dtype, r["batch"], args.context, args.steps)
@@ -212,11 +224,11 @@ def main() -> None:
     print(f"{'part':24s}" + "".join(f"{'batch ' + str(r['batch']):>18s}" for r in results))
     for c in CATEGORIES:
         print(f"{c:24s}" + "".join(f"{r['parts_ms'][c]:9.2f} ({100 * r['parts_ms'][c] / r['step_ms']:4.1f} %)" for r in results))
-    print(f"{'in-process step':24s}" + "".join(f"{r['step_ms']:9.2f}{'':9s}" for r in results))
-    print(f"{'in-process tok/s':24s}" + "".join(f"{1000 * r['batch'] / r['step_ms']:9.1f}{'':9s}" for r in results))
-    print(f"{'layers in one call':24s}" + "".join(
-        f"{r['engine_step_ms']:9.2f}{'':9s}" if r["fused"] else f"{'(loop)':>9s}{'':9s}" for r in results))
-    print(f"{'  tok/s':24s}" + "".join(f"{1000 * r['batch'] / r['engine_step_ms']:9.1f}{'':9s}" for r in results))
+    print(f"{'profiled step':24s}" + "".join(f"{r['step_ms']:9.2f}{'':9s}" for r in results))
+    print(f"{'the step, looped':24s}" + "".join(f"{r['looped_ms']:9.2f}{'':9s}" for r in results))
+    print(f"{'the step, as run':24s}" + "".join(
+        f"{r['engine_step_ms']:9.2f} {'one call' if r['fused'] else 'looped':8s}" for r in results))
+    print(f"{'  tok/s as run':24s}" + "".join(f"{1000 * r['batch'] / r['engine_step_ms']:9.1f}{'':9s}" for r in results))
     if not args.no_served:
         print("served (appliance serve, streaming, all at once), against the engine's in-process step:")
         print(f"{'  engine step':24s}" + "".join(f"{r['served']['step_ms']:9.2f}{'':9s}" for r in results))

@@ -165,7 +165,7 @@ def test_one_row_decode_logits_match_transformers_either_way(loaded_model, monke
 def _step_logits(engine, prompts: list[list[int]], max_tokens: int) -> tuple[list[torch.Tensor], int]:
     """Every step's logits over `prompts` (greedy, run to max_tokens), and how many steps ran their
     layers in one `decoder_layers` call."""
-    steps, in_one_call = [], 0
+    logits, in_one_call = [], 0
     fast, execute, one_call = engine.runner.fast, engine.runner.execute, engine.runner.fast._layers_in_one_call
 
     def counted(*args):
@@ -175,12 +175,12 @@ def _step_logits(engine, prompts: list[list[int]], max_tokens: int) -> tuple[lis
 
     def kept(sched):
         result = execute(sched)
-        steps.append(result.logits.clone())
+        logits.append(result.logits.clone())
         return result
 
     fast._layers_in_one_call, engine.runner.execute = counted, kept
     engine.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
-    return steps, in_one_call
+    return logits, in_one_call
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -189,7 +189,9 @@ def test_layers_in_one_call_give_the_python_loops_logits_bit_for_bit(loaded_mode
                                                                     kernel_prefill):
     """decoder_layers runs the kernels the Python loop calls, in its order: every step's logits
     are equal to the bit, decode steps (static's padding rows among them) and prefill chunks the
-    kernel attends run in one call, and chunks SDPA attends (kernel_prefill 0) go the loop's way."""
+    kernel attends run in one call, and chunks SDPA attends (kernel_prefill 0) go the loop's way.
+    One layer's second norm gets an epsilon of its own (the model's are all equal), so that each
+    norm must read its own layer's."""
     if dtype == "bfloat16" and torch.bfloat16 not in kernel.gemm_dtypes:
         pytest.skip("the kernels' bfloat16 GEMM is not built on this CPU (no AVX512-BF16): nothing runs in one call")
     from appliance.engine import model_runner
@@ -200,6 +202,7 @@ def test_layers_in_one_call_give_the_python_loops_logits_bit_for_bit(loaded_mode
     monkeypatch.setattr(fast_llama, "faster_own_rows", lambda linears, **_: 64)  # any CPU: every step below fits
     monkeypatch.setattr(fast_llama, "faster_plain_rows", lambda linear, **_: 0)
     monkeypatch.setattr(model_runner, "kernel_prefill_context", lambda *args, **kwargs: kernel_prefill)
+    monkeypatch.setattr(loaded.model.model.layers[3].post_attention_layernorm, "variance_epsilon", 0.5)
     prompts = [[100 + (7 * j + 13 * i) % 5000 for j in range(9 + 23 * i)] for i in range(3)]  # 9, 32, 55 tokens
     runs = []
     for fuse in (True, False):

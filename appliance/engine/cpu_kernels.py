@@ -8,9 +8,10 @@ cached per source, flags and CPU, loaded with ctypes.
 - `rms_norm`, `rotary_`, `silu_mul` do the llama layer's elementwise work in one pass each,
   where torch runs five to eight kernels.
 - `argmax_rows` picks greedy rows' tokens from the logits.
-- `gemm` (csrc/packed_gemm.c) multiplies a few float32 rows, or bfloat16 rows where the CPU has
+- `gemm` (csrc/packed_gemm.c) multiplies float32 rows, or bfloat16 rows where the CPU has
   AVX512-BF16, by a weight packed once for it (`pack_gemm`): at a decode step's row counts it
-  beats oneDNN's packed matmul (the lean forward times the two and uses it where it wins).
+  beats oneDNN's packed matmul, on some CPUs up to a 512-row prefill chunk (the lean forward
+  times the two and uses it where it wins).
 - `decoder_layers` (csrc/decoder_layers.c) runs every decoder layer of a step through the kernels
   above in one call, where the lean forward would call them one by one from Python.
 
@@ -65,6 +66,10 @@ class LayerShape:
     kv_heads: int
     head_dim: int
     inter: int  # the MLP's intermediate size
+
+    def work_size(self, rows: int, hidden: int) -> int:
+        """Values of scratch `decoder_layers` needs for `rows` rows (csrc/decoder_layers.c's `work`)."""
+        return rows * (2 * hidden + (2 * self.heads + 2 * self.kv_heads) * self.head_dim + 3 * self.inter)
 
 
 class CpuKernels:
@@ -157,19 +162,23 @@ class CpuKernels:
 
     def decoder_layers(self, h: torch.Tensor, layers: torch.Tensor, eps: torch.Tensor, shape: LayerShape,
                        cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
-                       ctx_lens: torch.Tensor, cold_rows: int, block_size: int, num_slots: int, scale: float) -> None:
+                       ctx_lens: torch.Tensor, cold_rows: int, block_size: int, num_slots: int, scale: float,
+                       work: torch.Tensor) -> None:
         """Every decoder layer over h [rows, hidden] (in place), each as the lean forward runs it
         with these kernels (csrc/decoder_layers.c): the whole attention by `paged_attend` (every
         row), every matmul by `gemm`. `layers` [num_layers, layer_pointers] int64 holds each
         layer's addresses (its norms' weights, the packed copies of its q/k/v, o, gate/up and down
-        weights, its K and V caches), `eps` [num_layers, 2] float32 its norms' epsilons; cos/sin
-        [rows, head_dim], slot_mapping [rows], block_tables and ctx_lens as `paged_attend` takes them."""
+        weights, its K and V caches: the order of csrc/decoder_layers.c's enum), `eps` [num_layers,
+        2] float32 its norms' epsilons; cos/sin [rows, head_dim], slot_mapping [rows], block_tables
+        and ctx_lens as `paged_attend` takes them; `work` scratch of at least `shape.work_size(rows,
+        hidden)` values in h's dtype."""
         rows, hidden = h.shape
         assert h.dtype in self._layers and layers.shape[1] == self.layer_pointers and eps.shape == (layers.shape[0], 2)
-        assert all(t.is_contiguous() for t in (h, layers, eps, cos, sin, slot_mapping, block_tables, ctx_lens))
-        assert layers.dtype == slot_mapping.dtype == torch.int64 and eps.dtype == torch.float32
-        work = h.new_empty(rows * (2 * hidden + (shape.heads + 2 * shape.kv_heads) * shape.head_dim
-                                   + shape.heads * shape.head_dim + 3 * shape.inter))
+        assert all(t.is_contiguous() for t in (h, layers, eps, cos, sin, slot_mapping, block_tables, ctx_lens, work))
+        assert layers.dtype == slot_mapping.dtype == block_tables.dtype == ctx_lens.dtype == torch.int64
+        assert eps.dtype == torch.float32 and work.dtype == h.dtype and work.numel() >= shape.work_size(rows, hidden)
+        assert slot_mapping.shape == ctx_lens.shape == (rows,) and block_tables.shape[0] == rows
+        assert cos.shape == sin.shape == (rows, shape.head_dim)
         self._layers[h.dtype](
             h.data_ptr(), rows, hidden, layers.shape[0], layers.data_ptr(), eps.data_ptr(), shape.heads, shape.kv_heads,
             shape.head_dim, shape.inter, cos.data_ptr(), sin.data_ptr(), slot_mapping.data_ptr(), block_tables.data_ptr(),

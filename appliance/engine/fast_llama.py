@@ -18,7 +18,9 @@ layer's gate/up weight streamed as a step streams them, and uses up to the most 
 (`own_rows`: 64-256 on an AMD EPYC with AVX2, where it runs a decode step's matmuls 1.2-1.6x
 faster; in fp32 128 on an Intel Xeon with AVX-512, 1.3-1.5x at 16-64 rows, where one hot weight
 timed alone had made it a coin toss from 16 rows on; in bf16 1 there, 1.3x, AMX's far ahead
-from 16 rows).
+from 16 rows; in bf16 512 on an AMD EPYC Zen 5). Where every matmul of a step takes the own GEMM
+and the attention kernel takes every row, the layers run in one C call (`decoder_layers`: the
+same kernels in the same order, the same logits to the bit, without the Python between them).
 Anything else (qwen2 with biases, scaled rope, other activations, ...) goes through
 transformers' own classes; a test checks this forward's logits against transformers'.
 """
@@ -134,7 +136,7 @@ def faster_own_rows(linears: Sequence[PackedLinear],
     layer's gate/up: each weight streamed from memory as a step streams it, where one weight timed
     again and again sits in cache and tells a different story; each with the kernels' packed copy),
     `timed` now in this thread."""
-    timed = timed or functools.partial(best_times, repeats=3, calls=1)  # 512 rows: ~0.1-0.2 s a pass
+    timed = timed or functools.partial(best_times, repeats=3, calls=1)  # 512 rows: 0.05-0.25 s a pass
     others = [linear.onednn_matmul if linear.packed is not None else functools.partial(F.linear, weight=linear.weight)
               for linear in linears]
     rows_won = 0
@@ -266,11 +268,17 @@ class FastLlamaForward:
                      self.plain_rows)
         self.layer_shape = LayerShape(self.num_heads, self.num_kv_heads, self.head_dim, cfg.intermediate_size)
         self.layer_eps = torch.tensor([[layer.eps1, layer.eps2] for layer in self.layers], dtype=torch.float32)
-        self._layer_table: tuple[list, torch.Tensor] | None = None  # (the KV caches, every layer's addresses)
+        # the addresses decoder_layers reads, per layer: tensors that live as long as this forward (the
+        # norms' weights, the own copies, moved once above) and the runner's KV caches (made once)
+        self._layer_table: tuple[list, torch.Tensor] | None = None  # (the KV caches, the table)
+        self._work = torch.empty(0, dtype=model.dtype)  # decoder_layers' scratch, grown as steps need
+        qkv_split = (self.num_heads * self.head_dim, *(2 * [self.num_kv_heads * self.head_dim]))
         self.fuse_layers = (bool(self.layers) and len({layer.scaling for layer in self.layers}) == 1
-                            and all(linear.own is not None for linear in self.linears()[:-1]))
+                            and all(linear.own is not None for linear in self.linears()[:-1])
+                            and all(layer.split == qkv_split and layer.gate_up.weight.shape[0] == 2 * cfg.intermediate_size
+                                    for layer in self.layers))
 
-    def _in_one_call(self, rows: int, meta: AttentionMetadata) -> bool:
+    def _runs_in_one_call(self, rows: int, meta: AttentionMetadata) -> bool:
         """Whether this step's layers run as one `decoder_layers` call: every row attended by the
         kernel, every matmul by the own GEMM (the calls the Python loop would make, in one)."""
         by_kernel = meta.kernel_rows
@@ -283,11 +291,14 @@ class FastLlamaForward:
                       layer.gate_up.own.data_ptr(), layer.down.own.data_ptr(),
                       *(cache.data_ptr() for cache in meta.kv_caches[layer.idx])] for layer in self.layers]
             self._layer_table = meta.kv_caches, torch.tensor(table, dtype=torch.int64)
+        need = self.layer_shape.work_size(*h.shape)
+        if self._work.numel() < need:
+            self._work = h.new_empty(need)
         by_kernel, (k_cache, _) = meta.kernel_rows, meta.kv_caches[0]
         scaling = self.layers[0].scaling
         self.kernels.decoder_layers(h, self._layer_table[1], self.layer_eps, self.layer_shape, cos, sin, meta.slot_mapping,
                                     by_kernel.block_tables, by_kernel.ctx_lens, by_kernel.decode_rows, meta.block_size,
-                                    k_cache.shape[1], scaling if scaling is not None else self.head_dim**-0.5)
+                                    k_cache.shape[1], scaling if scaling is not None else self.head_dim**-0.5, self._work)
 
     def linears(self) -> list[PackedLinear]:
         """Every matmul of the forward (the layers' projections and the LM head)."""
@@ -322,7 +333,7 @@ class FastLlamaForward:
         cos, sin = self.inner.rotary_emb(h.unsqueeze(0), positions.unsqueeze(0))
         cos, sin = cos[0].contiguous(), sin[0].contiguous()  # [T, D]
         total = ids.shape[0]
-        if self._in_one_call(total, meta):
+        if self._runs_in_one_call(total, meta):
             self._layers_in_one_call(h, cos, sin, meta)
         else:
             for layer in self.layers:

@@ -19,6 +19,7 @@
  * [rows, heads, dim] contiguous; caches [kv_heads, slots, dim] with slot = block * block_size +
  * offset; block_tables [rows, table_width] and ctx_lens [rows] int64. */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <string.h>
 #if defined(__AVX512F__) || defined(__AVX512BF16__)
@@ -264,9 +265,12 @@ static inline __attribute__((always_inline)) int64_t next_slot(token_walk *w, co
 
 /* A thread claims its next item when it starts one (a dynamic schedule one item ahead), so that
  * once the far walk reaches the end of its row it goes on over the next item's first
- * PREFETCH_FAR tokens, which then start warm instead of in one burst of misses (64 rows, contexts
- * of 80-160 and 200-400 tokens, cold, 30 layers, AMD EPYC Zen 5: 1.05-1.08x faster in bfloat16,
- * 1.07-1.12x in float32; a far walk of 128 tokens then gained 0-3 %, inside the noise). */
+ * PREFETCH_FAR tokens, which then start warm instead of in one burst of misses; only for decode
+ * rows (a prefill chunk's context stays in cache) and while more than two items a thread are left
+ * (a few items claimed two at a time would idle threads) (64 rows, contexts
+ * of 80-160 and 200-400 tokens, cold, 30 layers, AMD EPYC Zen 5: 1.05-1.14x faster in bfloat16,
+ * 1.01-1.12x in float32 over runs an hour apart; a far walk of 128 tokens then gained 0-3 %,
+ * inside the noise). */
 #define NEXT_ITEM(claimed) __atomic_fetch_add(&(claimed), 1, __ATOMIC_RELAXED)
 
 /* Asks for the key and value rows (`row_bytes` each) of the walk's next token, into L1, or into L2
@@ -331,7 +335,7 @@ DEFINE_SCORE(bf16, bf16_t)
 /* One (row, KV head) pair per call of the item function, inlined into a copy per common head
  * size and group (query heads per KV head): with both constant, the query and the accumulators
  * (group x head_dim / 16 vectors) stay in registers and every loop over them unrolls. The
- * switch runs inside the OpenMP loop so that each copy sees its constants. */
+ * switch runs inside the parallel region's loop so that each copy sees its constants. */
 #define DEFINE_PAGED_ATTEND(NAME, T, SUFFIX, STORE)                                                  \
     static inline __attribute__((always_inline)) int64_t NAME##_item(                                \
         const T *q, int64_t q_row_stride, int64_t q_head_stride, const T *k_cache, const T *v_cache, \
@@ -360,7 +364,7 @@ DEFINE_SCORE(bf16, bf16_t)
         token_walk near = {0, 0, 0}, far = {warm / block_size, warm % block_size, warm};             \
         const char *kb = (const char *)kh, *vb = (const char *)vh;                                   \
         const int64_t ni = next < 0 ? 0 : next / kv_heads, nh = next < 0 ? 0 : next % kv_heads;      \
-        const int64_t ahead_end = next < 0 || ni >= cold_rows ? 0 : ctx_lens[ni] < PREFETCH_FAR ? ctx_lens[ni] : PREFETCH_FAR; \
+        const int64_t ahead_end = next < 0 || ni >= cold_rows ? 0 : (ctx_lens[ni] < PREFETCH_FAR ? ctx_lens[ni] : PREFETCH_FAR); \
         const int64_t *next_table = block_tables + ni * table_width;                                 \
         const char *next_kb = (const char *)(k_cache + nh * num_slots * D), *next_vb = (const char *)(v_cache + nh * num_slots * D); \
         token_walk ahead = {0, 0, 0};                                                                \
@@ -417,9 +421,12 @@ DEFINE_SCORE(bf16, bf16_t)
         const int64_t items = rows * kv_heads;                                                       \
         int64_t claimed = 0; /* items handed out so far: a dynamic schedule, one item at a time */   \
         _Pragma("omp parallel if (elems >= PAR_MIN_ELEMS) num_threads(threads)") {                   \
+            const int64_t team = omp_get_num_threads();                                              \
             int64_t item = NEXT_ITEM(claimed), warm = 0;                                             \
             while (item < items) {                                                                   \
-                const int64_t after = NEXT_ITEM(claimed), next = after < items ? after : -1;         \
+                /* the next item claimed now where it pays: a decode row, many items left */          \
+                const int ahead = item / kv_heads < cold_rows && items - item > 2 * team;            \
+                const int64_t after = ahead ? NEXT_ITEM(claimed) : -1, next = after < items ? after : -1; \
                 switch (head_dim == 64 || head_dim == 128 ? head_dim * MAX_GROUP + group : 0) {      \
                 PAGED_ATTEND_CASES_64(NAME)                                                          \
                 PAGED_ATTEND_CASES_128(NAME)                                                         \
@@ -428,7 +435,7 @@ DEFINE_SCORE(bf16, bf16_t)
                                        ctx_lens, cold_rows, kv_heads, head_dim, group, block_size, num_slots, scale, \
                                        out, item, next, warm);                                       \
                 }                                                                                    \
-                item = after;                                                                        \
+                item = ahead ? after : NEXT_ITEM(claimed);                                           \
             }                                                                                        \
         }                                                                                            \
     }

@@ -3,16 +3,17 @@
  * result is the same to the bit; what goes is the Python between them (about ten calls a layer,
  * each with its argument checks, output allocation and ctypes conversion: 1.5-2 ms of a step).
  *
- * It applies to a step whose every matmul takes the own GEMM (rows <= own_rows) and whose every
- * row the attention kernel takes (decode rows and short prefill chunks); the forward checks that
- * and loops in Python otherwise. Per layer:
+ * It applies to a step whose every matmul takes the own GEMM (plain_rows < rows <= own_rows) and
+ * whose every row the attention kernel takes (decode rows and short prefill chunks); the forward
+ * checks that and loops in Python otherwise. Per layer:
  *   x = rms_norm(h, ln1); qkv = x @ Wqkv^T; rotate q and k in qkv; write k, v into the cache at
  *   their slots; attn = paged_attend(q); h2 = h + attn @ Wo^T; x = rms_norm(h2, ln2);
  *   gu = x @ Wgate_up^T; act = silu(gate) * up; h = h2 + act @ Wdown^T.
  * Layout of `layers`: per layer LAYER_POINTERS addresses (ln1, ln2, qkv, o, gate_up, down: the
- * norms' weights and the own GEMM's packed copies; then the layer's K and V caches), and
- * `eps` two floats per layer. `h` [rows, hidden] is updated in place; `work` holds
- * rows * (2 hidden + qkv width + heads * head_dim + 3 inter) values. */
+ * norms' weights and the own GEMM's packed copies; then the layer's K and V caches: the order
+ * fast_llama.py's table lists them in), and `eps` two floats per layer. `h` [rows, hidden] is
+ * updated in place; `work` holds rows * (2 hidden + qkv width + heads * head_dim + 3 inter)
+ * values (LayerShape.work_size). */
 #include <stdint.h>
 #include <string.h>
 

@@ -1,5 +1,5 @@
-/* A float32 (and, with AVX512-BF16, bfloat16) matmul for the few rows a decode step multiplies:
- * y [m, n] = x [m, k] @ W^T (+ res).
+/* A float32 (and, with AVX512-BF16, bfloat16) matmul for the few rows a decode step multiplies
+ * (and, on CPUs where it wins there, a prefill chunk's hundreds): y [m, n] = x [m, k] @ W^T (+ res).
  *
  * W is packed once (CpuKernels.pack_gemm) into panels of NR output columns, k-major: panel p holds
  * W[p*NR + j][kk] at p*k*NR + kk*NR + j (float32; bfloat16 in k pairs, below), zero-padded past
