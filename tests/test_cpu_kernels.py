@@ -72,6 +72,40 @@ def test_kernel_matches_dense_attention(kernel, dtype, heads, kv_heads, head_dim
     torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (8, 2, 128), (6, 3, 32), (8, 1, 80)])
+def test_prefill_runs_after_decode_rows_match_dense_attention(kernel, dtype, heads, kv_heads, head_dim):
+    """Decode rows, then two prefill chunks' rows (one from the start, one after a cached prefix:
+    each chunk one block table, each row one position later), as the runner lays them out: in
+    bf16 with AVX512-BF16 and head sizes of whole 32s the chunks go through the tiled path (their
+    context copied tile by tile), elsewhere row by row; both against dense attention."""
+    block_size, decode_ctx, chunks = 16, [37, 5], [(0, 21), (30, 19)]  # (prefix, rows)
+    gen = torch.Generator().manual_seed(1)
+    num_blocks = 16
+    k_cache = torch.randn(kv_heads, num_blocks * block_size, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(kv_heads, num_blocks * block_size, head_dim, generator=gen).to(dtype)
+    free = list(range(num_blocks))
+    random.Random(1).shuffle(free)
+    tables, ctx_lens = [], []
+    for n in decode_ctx:
+        tables.append([free.pop() for _ in range(-(-n // block_size))])
+        ctx_lens.append(n)
+    for prefix, rows in chunks:
+        table = [free.pop() for _ in range(-(-(prefix + rows) // block_size))]
+        tables += [table] * rows
+        ctx_lens += range(prefix + 1, prefix + rows + 1)
+    width = max(len(t) for t in tables)
+    block_tables = torch.tensor([t + [t[0]] * (width - len(t)) for t in tables], dtype=torch.long)
+    q = torch.randn(len(ctx_lens), heads, head_dim, generator=gen).to(dtype)
+    out = torch.empty_like(q)
+    scale = head_dim**-0.5
+    kernel.paged_attend(q, k_cache, v_cache, block_tables, torch.tensor(ctx_lens), block_size, scale, out,
+                        cold_rows=len(decode_ctx))
+    expected = _reference(q, k_cache, v_cache, tables, ctx_lens, block_size, scale)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
+
+
 def test_paged_attend_reads_strided_queries(kernel):
     # q as the lean forward hands it over: a view into the fused qkv projection's output
     q, k_cache, v_cache, tables, block_tables = _case(torch.float32, 9, 3, 64, 16, [5, 70])

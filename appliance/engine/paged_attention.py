@@ -165,8 +165,9 @@ def kernel_prefill_context(kernels: CpuKernels, dtype: torch.dtype, num_heads: i
     it loses at the first) up to which the C kernel attends a prefill chunk in at most the time
     SDPA takes, both timed through `paged_attention` on a 256-row chunk over scattered blocks of a
     paged cache. Timed once a process per dtype, head counts, head size, block size and thread
-    count (0.05-0.3 s). The kernel reads each row's context anew where SDPA's CPU flash kernel
-    blocks rows together, so short contexts favour the kernel and long ones SDPA (on an AMD EPYC
+    count (0.05-0.3 s). The kernel reads each row's context anew (in bfloat16 with AVX512-BF16 it
+    tiles a chunk's context once for all its rows) where SDPA's CPU flash kernel blocks rows
+    together, so short contexts favour the kernel and long ones SDPA (on an AMD EPYC
     Zen 5: a causal 256-row chunk 2x faster by the kernel in bfloat16, 1.5x in float32; this
     answered 2048-4096 in bfloat16, 512-2048 in float32)."""
     key = (dtype, num_heads, kv_heads, head_dim, block_size, torch.get_num_threads())

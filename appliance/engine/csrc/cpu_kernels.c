@@ -6,7 +6,8 @@
  *   16-float vectors (head_dim a multiple of 16). Each 16 tokens' scores of a query head are
  *   folded into one vector (transpose_sum16) and exponentiated together (exp16). A row is a
  *   decode row or one of a prefill chunk's (a query over its sequence's slots up to itself); the
- *   first `cold_rows` rows' contexts are prefetched ahead (see prefetch_token).
+ *   first `cold_rows` rows' contexts are prefetched ahead (see prefetch_token). In bfloat16 with
+ *   AVX512-BF16 a prefill chunk's rows share tiles of their context instead (see chunk_run).
  * - rms_norm_*, rotary_*, silu_mul_*: the llama layer's elementwise work, one pass each where
  *   torch needs five to eight kernels (and as many passes over memory), in 16-float vectors;
  *   silu_mul with exp16 and recip16.
@@ -21,6 +22,7 @@
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #if defined(__AVX512F__) || defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -332,6 +334,170 @@ static inline __attribute__((always_inline)) void score_bf16(
 DEFINE_SCORE(bf16, bf16_t)
 #endif
 
+/* A prefill chunk's rows, in bfloat16 with AVX512-BF16 (head size a multiple of 32): the rows
+ * that follow the decode rows come in runs of one sequence (one block table, each row one
+ * position later), each a query over its context up to itself. The per-row path reads that
+ * context anew for every row and folds each token's products into a score (transpose_sum16);
+ * here each KV head's context is first copied, per 16-token tile, keys transposed into
+ * (dimension pair, token) order and values interleaved by token pairs, and then every row's scores
+ * for a tile come out of D/2 vdpbf16ps (a broadcast pair of the query against 16 tokens' pairs)
+ * and its values' products out of D/2 more (a broadcast pair of probabilities, rounded to
+ * bfloat16 as torch's CPU flash kernel rounds them, against 16 dimensions' token pairs). */
+typedef struct {
+    int64_t row, n, start; /* first row, rows, the first row's position */
+    const int64_t *table;
+    int64_t tiles, first_tile, first_item; /* the context's 16-token tiles; offsets over all runs */
+} chunk_run;
+
+/* Runs of rows first..rows-1; returns their count (`runs` holds rows - first). */
+static int64_t find_chunk_runs(const int64_t *block_tables, int64_t table_width, const int64_t *ctx_lens,
+                               int64_t first, int64_t rows, int64_t kv_heads, chunk_run *runs) {
+    int64_t count = 0, tiles = 0, items = 0;
+    for (int64_t i = first; i < rows;) {
+        const int64_t *table = block_tables + i * table_width;
+        int64_t j = i + 1;
+        while (j < rows && ctx_lens[j] == ctx_lens[j - 1] + 1 &&
+               !memcmp(block_tables + j * table_width, table, table_width * sizeof(int64_t)))
+            j++;
+        const int64_t n_tiles = (ctx_lens[j - 1] + CHUNK - 1) / CHUNK;
+        runs[count++] = (chunk_run){i, j - i, ctx_lens[i] - 1, table, n_tiles, tiles, items};
+        tiles += n_tiles;
+        items += (j - i) * kv_heads;
+        i = j;
+    }
+    return count;
+}
+
+#define CHUNK_TILE_WORDS(D) ((D) / 2 * CHUNK + CHUNK / 2 * (D)) /* 32-bit words: keys, then values */
+#ifdef __AVX512BF16__
+
+static inline __attribute__((always_inline)) int chunked_bf16(int64_t head_dim) { return head_dim % 32 == 0; }
+
+/* Tile `tile` of KV head h of `run` into `words`: keys as [D/2][16] pairs, values as [8][D]
+ * token pairs (first token in the low half); tokens past the context are zero. */
+static inline __attribute__((always_inline)) void build_tile_bf16(const chunk_run *run, int64_t tile, const bf16_t *kh,
+                                                                  const bf16_t *vh, int64_t D, int64_t block_size,
+                                                                  uint32_t *words) {
+    const int64_t context = run->start + run->n, half = D / 2;
+    uint32_t *keys = words, *values = words + half * CHUNK;
+    for (int64_t e = 0; e < CHUNK; e += 2) {
+        const bf16_t *k[2], *v[2];
+        for (int64_t u = 0; u < 2; u++) {
+            const int64_t t = tile * CHUNK + e + u;
+            const int64_t slot = t < context ? run->table[t / block_size] * block_size + t % block_size : -1;
+            k[u] = slot < 0 ? NULL : kh + slot * D;
+            v[u] = slot < 0 ? NULL : vh + slot * D;
+        }
+        for (int64_t u = 0; u < 2; u++)
+            for (int64_t d2 = 0; d2 < half; d2++) {
+                uint32_t pair = 0;
+                if (k[u]) memcpy(&pair, k[u] + 2 * d2, sizeof pair);
+                keys[d2 * CHUNK + e + u] = pair;
+            }
+        for (int64_t d = 0; d < D; d++)
+            values[e / 2 * D + d] = (uint32_t)(v[0] ? v[0][d] : 0) | (uint32_t)(v[1] ? v[1][d] : 0) << 16;
+    }
+}
+
+/* One row of a run against its KV head h's tiles: out's G heads of that row. */
+static inline __attribute__((always_inline)) void chunk_item_bf16(
+    const bf16_t *q, int64_t q_row_stride, int64_t q_head_stride, const chunk_run *run, int64_t r, int64_t h,
+    int64_t kv_heads, const int64_t D, const int64_t G, float scale, const uint32_t *tiles, bf16_t *out) {
+    const int64_t nv = D / LANES, half = D / 2, row = run->row + r, position = run->start + r;
+    const int64_t tile_words = CHUNK_TILE_WORDS(D), last = position / CHUNK;
+    const uint32_t *qw[MAX_GROUP];
+    __m512 acc[MAX_GROUP][MAX_DIM / LANES];
+    float m[MAX_GROUP], l[MAX_GROUP];
+    v16i lane;
+    for (int e = 0; e < LANES; e++) lane[e] = e;
+    for (int64_t g = 0; g < G; g++) {
+        qw[g] = (const uint32_t *)(q + row * q_row_stride + (h * G + g) * q_head_stride);
+        for (int64_t j = 0; j < nv; j++) acc[g][j] = _mm512_setzero_ps();
+        m[g] = -3.0e38f;
+        l[g] = 0.f;
+    }
+    for (int64_t b = 0; b <= last; b++) {
+        const uint32_t *keys = tiles + ((run->first_tile + b) * kv_heads + h) * tile_words;
+        const uint32_t *values = keys + half * CHUNK;
+        __m512 sa[MAX_GROUP], sb[MAX_GROUP]; /* two sums per head: half the dependency chain */
+        for (int64_t g = 0; g < G; g++) sa[g] = sb[g] = _mm512_setzero_ps();
+        for (int64_t d2 = 0; d2 < half; d2 += 2) {
+            const __m512bh k0 = (__m512bh)_mm512_loadu_si512(keys + d2 * CHUNK);
+            const __m512bh k1 = (__m512bh)_mm512_loadu_si512(keys + (d2 + 1) * CHUNK);
+            for (int64_t g = 0; g < G; g++) {
+                sa[g] = _mm512_dpbf16_ps(sa[g], k0, (__m512bh)_mm512_set1_epi32((int)qw[g][d2]));
+                sb[g] = _mm512_dpbf16_ps(sb[g], k1, (__m512bh)_mm512_set1_epi32((int)qw[g][d2 + 1]));
+            }
+        }
+        const v16i live = lane <= (int32_t)(position - b * CHUNK); /* the causal mask */
+        int32_t pairs[MAX_GROUP][CHUNK / 2];
+        for (int64_t g = 0; g < G; g++) {
+            const v16f scores = select16(live, (v16f)_mm512_add_ps(sa[g], sb[g]) * scale, (v16f){0} - 3.0e38f);
+            const float chunk_top = _mm512_reduce_max_ps((__m512)scores), top = chunk_top > m[g] ? chunk_top : m[g];
+            const v16f p = select16(live, exp16(scores - top), (v16f){0});
+            const float rescale = expf(m[g] - top);
+            l[g] = l[g] * rescale + _mm512_reduce_add_ps((__m512)p);
+            m[g] = top;
+            const __m256i rounded = (__m256i)_mm512_cvtneps_pbh((__m512)p);
+            memcpy(pairs[g], &rounded, sizeof rounded);
+            for (int64_t j = 0; j < nv; j++) acc[g][j] = _mm512_mul_ps(acc[g][j], _mm512_set1_ps(rescale));
+        }
+        const int64_t live_pairs = b < last ? CHUNK / 2 : (position - b * CHUNK) / 2 + 1;
+        for (int64_t i2 = 0; i2 < live_pairs; i2++) {
+            __m512bh v[MAX_DIM / LANES];
+            for (int64_t j = 0; j < nv; j++) v[j] = (__m512bh)_mm512_loadu_si512(values + i2 * D + LANES * j);
+            for (int64_t g = 0; g < G; g++) {
+                const __m512bh pair = (__m512bh)_mm512_set1_epi32(pairs[g][i2]);
+                for (int64_t j = 0; j < nv; j++) acc[g][j] = _mm512_dpbf16_ps(acc[g][j], v[j], pair);
+            }
+        }
+    }
+    for (int64_t g = 0; g < G; g++) {
+        bf16_t *og = out + (row * G * kv_heads + h * G + g) * D;
+        const float inv = 1.f / l[g];
+        for (int64_t j = 0; j < nv; j++) {
+            v16f a;
+            memcpy(&a, &acc[g][j], sizeof a);
+            for (int e = 0; e < LANES; e++) og[LANES * j + e] = f32_to_bf16(a[e] * inv);
+        }
+    }
+}
+
+/* The runs' two phases inside paged_attend's parallel region: every tile built (split over the
+ * threads, then a barrier), then every (row, KV head) of the runs, longest context first. */
+#define CHUNK_ITEM_CASE(D, G)                                                                        \
+    case D * MAX_GROUP + G:                                                                          \
+        chunk_item_bf16(q, q_row_stride, q_head_stride, run, r, hh, kv_heads, D, G, scale, chunk_tiles, out); \
+        break;
+#define CHUNK_PHASES_bf16                                                                            \
+    _Pragma("omp for schedule(static)")                                                              \
+    for (int64_t w = 0; w < tile_count * kv_heads; w++) {                                            \
+        const int64_t tile = w / kv_heads, hh = w % kv_heads;                                        \
+        int64_t k = 0;                                                                               \
+        while (k + 1 < run_count && runs[k + 1].first_tile <= tile) k++;                             \
+        build_tile_bf16(&runs[k], tile - runs[k].first_tile, k_cache + hh * num_slots * head_dim,    \
+                        v_cache + hh * num_slots * head_dim, head_dim, block_size, chunk_tiles + w * CHUNK_TILE_WORDS(head_dim)); \
+    }                                                                                                \
+    for (int64_t it = NEXT_ITEM(claimed_rows); it < run_items; it = NEXT_ITEM(claimed_rows)) {       \
+        int64_t k = 0;                                                                               \
+        while (k + 1 < run_count && runs[k + 1].first_item <= it) k++;                               \
+        const chunk_run *run = &runs[k];                                                             \
+        const int64_t local = it - run->first_item, r = run->n - 1 - local / kv_heads, hh = local % kv_heads; \
+        switch (head_dim == 64 || head_dim == 128 ? head_dim * MAX_GROUP + group : 0) {              \
+        CHUNK_ITEM_CASE(64, 1) CHUNK_ITEM_CASE(64, 2) CHUNK_ITEM_CASE(64, 3) CHUNK_ITEM_CASE(64, 4) \
+        CHUNK_ITEM_CASE(64, 8) CHUNK_ITEM_CASE(128, 1) CHUNK_ITEM_CASE(128, 2) CHUNK_ITEM_CASE(128, 4) \
+        CHUNK_ITEM_CASE(128, 8)                                                                      \
+        default:                                                                                     \
+            chunk_item_bf16(q, q_row_stride, q_head_stride, run, r, hh, kv_heads, head_dim, group, scale, chunk_tiles, out); \
+        }                                                                                            \
+    }
+#else
+static inline __attribute__((always_inline)) int chunked_bf16(int64_t head_dim) { (void)head_dim; return 0; }
+#define CHUNK_PHASES_bf16
+#endif
+static inline __attribute__((always_inline)) int chunked_f32(int64_t head_dim) { (void)head_dim; return 0; }
+#define CHUNK_PHASES_f32
+
 /* One (row, KV head) pair per call of the item function, inlined into a copy per common head
  * size and group (query heads per KV head): with both constant, the query and the accumulators
  * (group x head_dim / 16 vectors) stay in registers and every loop over them unrolls. The
@@ -418,8 +584,15 @@ DEFINE_SCORE(bf16, bf16_t)
         int64_t context = 0; /* cached tokens read, over all rows */                                 \
         for (int64_t i = 0; i < rows; i++) context += ctx_lens[i];                                   \
         const int64_t elems = 2 * context * kv_heads * head_dim, group = num_heads / kv_heads;       \
-        const int64_t items = rows * kv_heads;                                                       \
-        int64_t claimed = 0; /* items handed out so far: a dynamic schedule, one item at a time */   \
+        /* the rows after the decode rows, in runs of one sequence, by the tiled path where built */ \
+        const int chunked = chunked_##SUFFIX(head_dim) && cold_rows < rows;                          \
+        chunk_run *runs = chunked ? malloc((size_t)(rows - cold_rows) * sizeof(chunk_run)) : NULL;   \
+        const int64_t run_count = runs ? find_chunk_runs(block_tables, table_width, ctx_lens, cold_rows, rows, kv_heads, runs) : 0; \
+        const int64_t tile_count = run_count ? runs[run_count - 1].first_tile + runs[run_count - 1].tiles : 0; \
+        const int64_t run_items = run_count ? runs[run_count - 1].first_item + runs[run_count - 1].n * kv_heads : 0; \
+        uint32_t *chunk_tiles = run_count ? malloc((size_t)(tile_count * kv_heads * CHUNK_TILE_WORDS(head_dim)) * sizeof(uint32_t)) : NULL; \
+        const int64_t items = (run_count && chunk_tiles ? cold_rows : rows) * kv_heads;              \
+        int64_t claimed = 0, claimed_rows = 0; /* items handed out so far: dynamic schedules */      \
         _Pragma("omp parallel if (elems >= PAR_MIN_ELEMS) num_threads(threads)") {                   \
             const int64_t team = omp_get_num_threads();                                              \
             int64_t item = NEXT_ITEM(claimed), warm = 0;                                             \
@@ -437,7 +610,10 @@ DEFINE_SCORE(bf16, bf16_t)
                 }                                                                                    \
                 item = ahead ? after : NEXT_ITEM(claimed);                                           \
             }                                                                                        \
+            if (run_count && chunk_tiles) { CHUNK_PHASES_##SUFFIX }                                  \
         }                                                                                            \
+        free(runs);                                                                                  \
+        free(chunk_tiles);                                                                           \
     }
 
 /* The copies with constant head size and group: head size 64 with groups 1 to 8, 128 with
