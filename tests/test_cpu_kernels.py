@@ -74,14 +74,16 @@ def test_kernel_matches_dense_attention(kernel, dtype, heads, kv_heads, head_dim
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (8, 2, 128), (6, 3, 32), (8, 1, 80)])
-def test_prefill_runs_after_decode_rows_match_dense_attention(kernel, dtype, heads, kv_heads, head_dim):
+@pytest.mark.parametrize("block_size", [16, 8])  # a tile of 16 tokens one block, or two
+def test_prefill_runs_after_decode_rows_match_dense_attention(kernel, dtype, heads, kv_heads, head_dim, block_size):
     """Decode rows, then two prefill chunks' rows (one from the start, one after a cached prefix:
     each chunk one block table, each row one position later), as the runner lays them out: in
-    bf16 with AVX512-BF16 and head sizes of whole 32s the chunks go through the tiled path (their
-    context copied tile by tile), elsewhere row by row; both against dense attention."""
-    block_size, decode_ctx, chunks = 16, [37, 5], [(0, 21), (30, 19)]  # (prefix, rows)
+    bf16 where the CPU has AVX512-BF16 (the kernels' bf16 GEMM is built) and head sizes of whole
+    32s the chunks go through the tiled path (their context copied tile by tile), elsewhere row by
+    row; both against dense attention."""
+    decode_ctx, chunks = [37, 5], [(0, 21), (30, 19)]  # (prefix, rows)
     gen = torch.Generator().manual_seed(1)
-    num_blocks = 16
+    num_blocks = 32
     k_cache = torch.randn(kv_heads, num_blocks * block_size, head_dim, generator=gen).to(dtype)
     v_cache = torch.randn(kv_heads, num_blocks * block_size, head_dim, generator=gen).to(dtype)
     free = list(range(num_blocks))

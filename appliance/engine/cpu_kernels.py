@@ -4,7 +4,8 @@ cached per source, flags and CPU, loaded with ctypes.
 - `paged_attend` attends rows (decode rows, and a prefill chunk's rows: each a query over its
   sequence's slots up to itself), reading their keys and values block by block straight from the
   paged cache, where the SDPA path first copies them into a dense tensor (moving every cached
-  byte twice more).
+  byte twice more); in bfloat16 with AVX512-BF16 a prefill chunk's rows share its context copied
+  once into tiles.
 - `rms_norm`, `rotary_`, `silu_mul` do the llama layer's elementwise work in one pass each,
   where torch runs five to eight kernels.
 - `argmax_rows` picks greedy rows' tokens from the logits.

@@ -6,7 +6,8 @@ keys and values into the engine's block-paged cache (slot mapping) and attends e
 own sequence's cached context:
 
 - with the C kernels (cpu_kernels), every row as one query at its position over its sequence's
-  cached slots up to it, read in place: decode rows, and the rows of prefill chunks whose context
+  cached slots up to it, read in place (in bf16 with AVX512-BF16, a prefill chunk's context copied
+  once into tiles its rows share): decode rows, and the rows of prefill chunks whose context
   is short enough that the kernel attends them faster than SDPA on this CPU
   (`kernel_prefill_context`: a chunk's rows share their block table, each sees one slot more than
   the row before, which is the causal mask);
@@ -168,8 +169,8 @@ def kernel_prefill_context(kernels: CpuKernels, dtype: torch.dtype, num_heads: i
     count (0.05-0.3 s). The kernel reads each row's context anew (in bfloat16 with AVX512-BF16 it
     tiles a chunk's context once for all its rows) where SDPA's CPU flash kernel blocks rows
     together, so short contexts favour the kernel and long ones SDPA (on an AMD EPYC
-    Zen 5: a causal 256-row chunk 2x faster by the kernel in bfloat16, 1.5x in float32; this
-    answered 2048-4096 in bfloat16, 512-2048 in float32)."""
+    Zen 5, before the tiled path: a causal 256-row chunk 2x faster by the kernel in bfloat16, 1.5x
+    in float32; this answered 2048-4096 in bfloat16, 512-2048 in float32; with it, 4096 in bfloat16)."""
     key = (dtype, num_heads, kv_heads, head_dim, block_size, torch.get_num_threads())
     if key not in _KERNEL_PREFILL:
         won = 0

@@ -1,13 +1,15 @@
 /* CPU kernels for the engine's hot path, built at first use by appliance/engine/cpu_kernels.py.
  *
  * - paged_attend_*: one query token per row against that row's cached context, read block by
- *   block straight from the paged KV cache (no gathered copy), online softmax, OpenMP over
+ *   block straight from the paged KV cache (no gathered copy; the tiled bf16 prefill path below
+ *   copies a chunk's context once into tiles), online softmax, OpenMP over
  *   (row, KV head); the query heads that share a KV head are served by one pass over it, in
  *   16-float vectors (head_dim a multiple of 16). Each 16 tokens' scores of a query head are
  *   folded into one vector (transpose_sum16) and exponentiated together (exp16). A row is a
  *   decode row or one of a prefill chunk's (a query over its sequence's slots up to itself); the
  *   first `cold_rows` rows' contexts are prefetched ahead (see prefetch_token). In bfloat16 with
- *   AVX512-BF16 a prefill chunk's rows share tiles of their context instead (see chunk_run).
+ *   AVX512-BF16 and head sizes of whole 32s a prefill chunk's rows share tiles of their context
+ *   instead (see chunk_run).
  * - rms_norm_*, rotary_*, silu_mul_*: the llama layer's elementwise work, one pass each where
  *   torch needs five to eight kernels (and as many passes over memory), in 16-float vectors;
  *   silu_mul with exp16 and recip16.
@@ -349,10 +351,12 @@ typedef struct {
     int64_t tiles, first_tile, first_item; /* the context's 16-token tiles; offsets over all runs */
 } chunk_run;
 
-/* Runs of rows first..rows-1; returns their count (`runs` holds rows - first). */
+/* Runs of rows first..rows-1; returns their count (`runs` holds rows - first), 0 where a row has no context. */
 static int64_t find_chunk_runs(const int64_t *block_tables, int64_t table_width, const int64_t *ctx_lens,
                                int64_t first, int64_t rows, int64_t kv_heads, chunk_run *runs) {
     int64_t count = 0, tiles = 0, items = 0;
+    for (int64_t i = first; i < rows; i++)
+        if (ctx_lens[i] < 1) return 0; /* a row with no context: every row the per-row way */
     for (int64_t i = first; i < rows;) {
         const int64_t *table = block_tables + i * table_width;
         int64_t j = i + 1;
@@ -371,7 +375,7 @@ static int64_t find_chunk_runs(const int64_t *block_tables, int64_t table_width,
 #define CHUNK_TILE_WORDS(D) ((D) / 2 * CHUNK + CHUNK / 2 * (D)) /* 32-bit words: keys, then values */
 #ifdef __AVX512BF16__
 
-static inline __attribute__((always_inline)) int chunked_bf16(int64_t head_dim) { return head_dim % 32 == 0; }
+static inline __attribute__((always_inline)) int tiled_bf16(int64_t head_dim) { return head_dim % 32 == 0; }
 
 /* Tile `tile` of KV head h of `run` into `words`: keys as [D/2][16] pairs, values as [8][D]
  * token pairs (first token in the low half); tokens past the context are zero. */
@@ -405,13 +409,13 @@ static inline __attribute__((always_inline)) void chunk_item_bf16(
     int64_t kv_heads, const int64_t D, const int64_t G, float scale, const uint32_t *tiles, bf16_t *out) {
     const int64_t nv = D / LANES, half = D / 2, row = run->row + r, position = run->start + r;
     const int64_t tile_words = CHUNK_TILE_WORDS(D), last = position / CHUNK;
-    const uint32_t *qw[MAX_GROUP];
+    uint32_t qw[MAX_GROUP][MAX_DIM / 2]; /* the query heads' bfloat16 pairs */
     __m512 acc[MAX_GROUP][MAX_DIM / LANES];
     float m[MAX_GROUP], l[MAX_GROUP];
     v16i lane;
     for (int e = 0; e < LANES; e++) lane[e] = e;
     for (int64_t g = 0; g < G; g++) {
-        qw[g] = (const uint32_t *)(q + row * q_row_stride + (h * G + g) * q_head_stride);
+        memcpy(qw[g], q + row * q_row_stride + (h * G + g) * q_head_stride, D * sizeof(bf16_t));
         for (int64_t j = 0; j < nv; j++) acc[g][j] = _mm512_setzero_ps();
         m[g] = -3.0e38f;
         l[g] = 0.f;
@@ -464,10 +468,10 @@ static inline __attribute__((always_inline)) void chunk_item_bf16(
 }
 
 /* The runs' two phases inside paged_attend's parallel region: every tile built (split over the
- * threads, then a barrier), then every (row, KV head) of the runs, longest context first. */
+ * threads, then a barrier), then every (row, KV head) of the runs, each run's longest context first. */
 #define CHUNK_ITEM_CASE(D, G)                                                                        \
     case D * MAX_GROUP + G:                                                                          \
-        chunk_item_bf16(q, q_row_stride, q_head_stride, run, r, hh, kv_heads, D, G, scale, chunk_tiles, out); \
+        chunk_item_bf16(q, q_row_stride, q_head_stride, run, r, hh, kv_heads, D, G, scale, run_tiles, out); \
         break;
 #define CHUNK_PHASES_bf16                                                                            \
     _Pragma("omp for schedule(static)")                                                              \
@@ -476,9 +480,9 @@ static inline __attribute__((always_inline)) void chunk_item_bf16(
         int64_t k = 0;                                                                               \
         while (k + 1 < run_count && runs[k + 1].first_tile <= tile) k++;                             \
         build_tile_bf16(&runs[k], tile - runs[k].first_tile, k_cache + hh * num_slots * head_dim,    \
-                        v_cache + hh * num_slots * head_dim, head_dim, block_size, chunk_tiles + w * CHUNK_TILE_WORDS(head_dim)); \
+                        v_cache + hh * num_slots * head_dim, head_dim, block_size, run_tiles + w * CHUNK_TILE_WORDS(head_dim)); \
     }                                                                                                \
-    for (int64_t it = NEXT_ITEM(claimed_rows); it < run_items; it = NEXT_ITEM(claimed_rows)) {       \
+    for (int64_t it = NEXT_ITEM(claimed_run_items); it < run_items; it = NEXT_ITEM(claimed_run_items)) {       \
         int64_t k = 0;                                                                               \
         while (k + 1 < run_count && runs[k + 1].first_item <= it) k++;                               \
         const chunk_run *run = &runs[k];                                                             \
@@ -488,14 +492,14 @@ static inline __attribute__((always_inline)) void chunk_item_bf16(
         CHUNK_ITEM_CASE(64, 8) CHUNK_ITEM_CASE(128, 1) CHUNK_ITEM_CASE(128, 2) CHUNK_ITEM_CASE(128, 4) \
         CHUNK_ITEM_CASE(128, 8)                                                                      \
         default:                                                                                     \
-            chunk_item_bf16(q, q_row_stride, q_head_stride, run, r, hh, kv_heads, head_dim, group, scale, chunk_tiles, out); \
+            chunk_item_bf16(q, q_row_stride, q_head_stride, run, r, hh, kv_heads, head_dim, group, scale, run_tiles, out); \
         }                                                                                            \
     }
 #else
-static inline __attribute__((always_inline)) int chunked_bf16(int64_t head_dim) { (void)head_dim; return 0; }
+static inline __attribute__((always_inline)) int tiled_bf16(int64_t head_dim) { (void)head_dim; return 0; }
 #define CHUNK_PHASES_bf16
 #endif
-static inline __attribute__((always_inline)) int chunked_f32(int64_t head_dim) { (void)head_dim; return 0; }
+static inline __attribute__((always_inline)) int tiled_f32(int64_t head_dim) { (void)head_dim; return 0; }
 #define CHUNK_PHASES_f32
 
 /* One (row, KV head) pair per call of the item function, inlined into a copy per common head
@@ -585,14 +589,14 @@ static inline __attribute__((always_inline)) int chunked_f32(int64_t head_dim) {
         for (int64_t i = 0; i < rows; i++) context += ctx_lens[i];                                   \
         const int64_t elems = 2 * context * kv_heads * head_dim, group = num_heads / kv_heads;       \
         /* the rows after the decode rows, in runs of one sequence, by the tiled path where built */ \
-        const int chunked = chunked_##SUFFIX(head_dim) && cold_rows < rows;                          \
-        chunk_run *runs = chunked ? malloc((size_t)(rows - cold_rows) * sizeof(chunk_run)) : NULL;   \
+        const int tiled = tiled_##SUFFIX(head_dim) && cold_rows < rows;                          \
+        chunk_run *runs = tiled ? malloc((size_t)(rows - cold_rows) * sizeof(chunk_run)) : NULL;   \
         const int64_t run_count = runs ? find_chunk_runs(block_tables, table_width, ctx_lens, cold_rows, rows, kv_heads, runs) : 0; \
         const int64_t tile_count = run_count ? runs[run_count - 1].first_tile + runs[run_count - 1].tiles : 0; \
         const int64_t run_items = run_count ? runs[run_count - 1].first_item + runs[run_count - 1].n * kv_heads : 0; \
-        uint32_t *chunk_tiles = run_count ? malloc((size_t)(tile_count * kv_heads * CHUNK_TILE_WORDS(head_dim)) * sizeof(uint32_t)) : NULL; \
-        const int64_t items = (run_count && chunk_tiles ? cold_rows : rows) * kv_heads;              \
-        int64_t claimed = 0, claimed_rows = 0; /* items handed out so far: dynamic schedules */      \
+        uint32_t *run_tiles = run_count ? malloc((size_t)(tile_count * kv_heads * CHUNK_TILE_WORDS(head_dim)) * sizeof(uint32_t)) : NULL; \
+        const int64_t items = (run_count && run_tiles ? cold_rows : rows) * kv_heads;              \
+        int64_t claimed = 0, claimed_run_items = 0; /* items handed out so far: dynamic schedules */      \
         _Pragma("omp parallel if (elems >= PAR_MIN_ELEMS) num_threads(threads)") {                   \
             const int64_t team = omp_get_num_threads();                                              \
             int64_t item = NEXT_ITEM(claimed), warm = 0;                                             \
@@ -610,10 +614,10 @@ static inline __attribute__((always_inline)) int chunked_f32(int64_t head_dim) {
                 }                                                                                    \
                 item = ahead ? after : NEXT_ITEM(claimed);                                           \
             }                                                                                        \
-            if (run_count && chunk_tiles) { CHUNK_PHASES_##SUFFIX }                                  \
+            if (run_count && run_tiles) { CHUNK_PHASES_##SUFFIX }                                  \
         }                                                                                            \
         free(runs);                                                                                  \
-        free(chunk_tiles);                                                                           \
+        free(run_tiles);                                                                           \
     }
 
 /* The copies with constant head size and group: head size 64 with groups 1 to 8, 128 with
