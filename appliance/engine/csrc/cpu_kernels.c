@@ -336,6 +336,16 @@ static inline __attribute__((always_inline)) void score_bf16(
 DEFINE_SCORE(bf16, bf16_t)
 #endif
 
+/* The head shapes with a copy of their own in each attention path, their size and group (query
+ * heads per KV head) constant in it so that the query and accumulators stay in registers and the
+ * loops over them unroll: head size 64 with groups 1 to 8, 128 with groups 1, 2, 4 and 8 (those of
+ * common models; each copy adds to the build's time). HEAD_SHAPE is the switch's key (0: no copy
+ * of its own), CASE(X, D, G) one case of it. */
+#define HEAD_SHAPE(head_dim, group) ((head_dim) == 64 || (head_dim) == 128 ? (head_dim) * MAX_GROUP + (group) : 0)
+#define HEAD_SHAPE_CASES(CASE, X)                                                                    \
+    CASE(X, 64, 1) CASE(X, 64, 2) CASE(X, 64, 3) CASE(X, 64, 4) CASE(X, 64, 5) CASE(X, 64, 6)       \
+    CASE(X, 64, 7) CASE(X, 64, 8) CASE(X, 128, 1) CASE(X, 128, 2) CASE(X, 128, 4) CASE(X, 128, 8)
+
 /* A prefill chunk's rows, in bfloat16 with AVX512-BF16 (head size a multiple of 32): the rows
  * that follow the decode rows come in runs of one sequence (one block table, each row one
  * position later), each a query over its context up to itself. The per-row path reads that
@@ -374,6 +384,7 @@ static int64_t find_chunk_runs(const int64_t *block_tables, int64_t table_width,
 
 #define CHUNK_TILE_WORDS(D) ((D) / 2 * CHUNK + CHUNK / 2 * (D)) /* 32-bit words: keys, then values */
 #ifdef __AVX512BF16__
+typedef uint32_t __attribute__((may_alias, aligned(2))) pair_word; /* two bfloat16 read as one word */
 
 static inline __attribute__((always_inline)) int tiled_bf16(int64_t head_dim) { return head_dim % 32 == 0; }
 
@@ -409,13 +420,13 @@ static inline __attribute__((always_inline)) void chunk_item_bf16(
     int64_t kv_heads, const int64_t D, const int64_t G, float scale, const uint32_t *tiles, bf16_t *out) {
     const int64_t nv = D / LANES, half = D / 2, row = run->row + r, position = run->start + r;
     const int64_t tile_words = CHUNK_TILE_WORDS(D), last = position / CHUNK;
-    uint32_t qw[MAX_GROUP][MAX_DIM / 2]; /* the query heads' bfloat16 pairs */
+    const pair_word *qw[MAX_GROUP]; /* the query heads, as bfloat16 pairs */
     __m512 acc[MAX_GROUP][MAX_DIM / LANES];
     float m[MAX_GROUP], l[MAX_GROUP];
     v16i lane;
     for (int e = 0; e < LANES; e++) lane[e] = e;
     for (int64_t g = 0; g < G; g++) {
-        memcpy(qw[g], q + row * q_row_stride + (h * G + g) * q_head_stride, D * sizeof(bf16_t));
+        qw[g] = (const pair_word *)(q + row * q_row_stride + (h * G + g) * q_head_stride);
         for (int64_t j = 0; j < nv; j++) acc[g][j] = _mm512_setzero_ps();
         m[g] = -3.0e38f;
         l[g] = 0.f;
@@ -469,7 +480,7 @@ static inline __attribute__((always_inline)) void chunk_item_bf16(
 
 /* The runs' two phases inside paged_attend's parallel region: every tile built (split over the
  * threads, then a barrier), then every (row, KV head) of the runs, each run's longest context first. */
-#define CHUNK_ITEM_CASE(D, G)                                                                        \
+#define CHUNK_ITEM_CASE(X, D, G)                                                                     \
     case D * MAX_GROUP + G:                                                                          \
         chunk_item_bf16(q, q_row_stride, q_head_stride, run, r, hh, kv_heads, D, G, scale, run_tiles, out); \
         break;
@@ -487,10 +498,8 @@ static inline __attribute__((always_inline)) void chunk_item_bf16(
         while (k + 1 < run_count && runs[k + 1].first_item <= it) k++;                               \
         const chunk_run *run = &runs[k];                                                             \
         const int64_t local = it - run->first_item, r = run->n - 1 - local / kv_heads, hh = local % kv_heads; \
-        switch (head_dim == 64 || head_dim == 128 ? head_dim * MAX_GROUP + group : 0) {              \
-        CHUNK_ITEM_CASE(64, 1) CHUNK_ITEM_CASE(64, 2) CHUNK_ITEM_CASE(64, 3) CHUNK_ITEM_CASE(64, 4) \
-        CHUNK_ITEM_CASE(64, 8) CHUNK_ITEM_CASE(128, 1) CHUNK_ITEM_CASE(128, 2) CHUNK_ITEM_CASE(128, 4) \
-        CHUNK_ITEM_CASE(128, 8)                                                                      \
+        switch (HEAD_SHAPE(head_dim, group)) {                                                       \
+        HEAD_SHAPE_CASES(CHUNK_ITEM_CASE, _)                                                         \
         default:                                                                                     \
             chunk_item_bf16(q, q_row_stride, q_head_stride, run, r, hh, kv_heads, head_dim, group, scale, run_tiles, out); \
         }                                                                                            \
@@ -502,10 +511,9 @@ static inline __attribute__((always_inline)) int tiled_bf16(int64_t head_dim) { 
 static inline __attribute__((always_inline)) int tiled_f32(int64_t head_dim) { (void)head_dim; return 0; }
 #define CHUNK_PHASES_f32
 
-/* One (row, KV head) pair per call of the item function, inlined into a copy per common head
- * size and group (query heads per KV head): with both constant, the query and the accumulators
- * (group x head_dim / 16 vectors) stay in registers and every loop over them unrolls. The
- * switch runs inside the parallel region's loop so that each copy sees its constants. */
+/* One (row, KV head) pair per call of the item function, inlined into a copy per head shape
+ * (HEAD_SHAPE_CASES). The switch runs inside the parallel region's loop so that each copy sees
+ * its constants. */
 #define DEFINE_PAGED_ATTEND(NAME, T, SUFFIX, STORE)                                                  \
     static inline __attribute__((always_inline)) int64_t NAME##_item(                                \
         const T *q, int64_t q_row_stride, int64_t q_head_stride, const T *k_cache, const T *v_cache, \
@@ -604,9 +612,8 @@ static inline __attribute__((always_inline)) int tiled_f32(int64_t head_dim) { (
                 /* the next item claimed now where it pays: a decode row, many items left */          \
                 const int ahead = item / kv_heads < cold_rows && items - item > 2 * team;            \
                 const int64_t after = ahead ? NEXT_ITEM(claimed) : -1, next = after < items ? after : -1; \
-                switch (head_dim == 64 || head_dim == 128 ? head_dim * MAX_GROUP + group : 0) {      \
-                PAGED_ATTEND_CASES_64(NAME)                                                          \
-                PAGED_ATTEND_CASES_128(NAME)                                                         \
+                switch (HEAD_SHAPE(head_dim, group)) {                                               \
+                HEAD_SHAPE_CASES(PAGED_ATTEND_CASE, NAME)                                            \
                 default:                                                                             \
                     warm = NAME##_item(q, q_row_stride, q_head_stride, k_cache, v_cache, block_tables, table_width, \
                                        ctx_lens, cold_rows, kv_heads, head_dim, group, block_size, num_slots, scale, \
@@ -620,20 +627,12 @@ static inline __attribute__((always_inline)) int tiled_f32(int64_t head_dim) { (
         free(run_tiles);                                                                           \
     }
 
-/* The copies with constant head size and group: head size 64 with groups 1 to 8, 128 with
- * groups 1, 2, 4 and 8 (those of common models; each copy adds to the build's time). */
+/* One case of the per-row path's switch (HEAD_SHAPE_CASES). */
 #define PAGED_ATTEND_CASE(NAME, D, G)                                                                \
     case D * MAX_GROUP + G:                                                                          \
         warm = NAME##_item(q, q_row_stride, q_head_stride, k_cache, v_cache, block_tables, table_width, \
                            ctx_lens, cold_rows, kv_heads, D, G, block_size, num_slots, scale, out, item, next, warm); \
         break;
-#define PAGED_ATTEND_CASES_64(NAME)                                                                  \
-    PAGED_ATTEND_CASE(NAME, 64, 1) PAGED_ATTEND_CASE(NAME, 64, 2) PAGED_ATTEND_CASE(NAME, 64, 3)     \
-    PAGED_ATTEND_CASE(NAME, 64, 4) PAGED_ATTEND_CASE(NAME, 64, 5) PAGED_ATTEND_CASE(NAME, 64, 6)     \
-    PAGED_ATTEND_CASE(NAME, 64, 7) PAGED_ATTEND_CASE(NAME, 64, 8)
-#define PAGED_ATTEND_CASES_128(NAME)                                                                 \
-    PAGED_ATTEND_CASE(NAME, 128, 1) PAGED_ATTEND_CASE(NAME, 128, 2) PAGED_ATTEND_CASE(NAME, 128, 4)  \
-    PAGED_ATTEND_CASE(NAME, 128, 8)
 
 /* out = weight * round(x * rsqrt(mean(x^2) + eps)): transformers' LlamaRMSNorm, op for op. */
 #define DEFINE_RMS_NORM(NAME, T, LOAD, STORE, ROUND, SUFFIX)                                         \
