@@ -195,7 +195,7 @@ def test_silu_mul_and_rms_norm_with_a_partial_last_vector_and_extreme_gates(kern
     torch.testing.assert_close(kernel.silu_mul(gate_up.contiguous()), torch.nn.functional.silu(g) * u, **tol)
 
 
-@pytest.mark.parametrize("rows", [1, 5, 6, 7, 13, 64, 300])  # around both register blocks (6 rows AVX2, 12 AVX-512)
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 10, 11, 13, 64, 300])  # around both register blocks (6 rows AVX2, 10 AVX-512)
 @pytest.mark.parametrize("n, k", [(96, 40), (50, 33), (960, 576)])  # whole panels, a partial last one, a model's
 def test_own_gemm_matches_f_linear(kernel, rows, n, k):
     gen = torch.Generator().manual_seed(rows * n)
@@ -214,7 +214,7 @@ def _has_avx512_bf16() -> bool:
     return " avx512_bf16" in Path("/proc/cpuinfo").read_text()
 
 
-@pytest.mark.parametrize("rows", [1, 5, 12, 13, 64, 300])
+@pytest.mark.parametrize("rows", [1, 5, 10, 11, 13, 64, 300])  # around the register block (10 rows)
 @pytest.mark.parametrize("n, k", [(96, 40), (50, 34), (960, 576)])
 def test_own_bfloat16_gemm_matches_float32_sums_rounded_once(kernel, rows, n, k):
     """Where the kernels were built for AVX512-BF16: x @ W.T (+ residual) summed in float32 and

@@ -13,10 +13,11 @@
  * at 16 / 32 / 64 rows from 32.3 / 42.8 / 67.5 ms to 26.5 / 36.8 / 59.5 ms). The micro-kernel
  * keeps MR x NR outputs in registers: MR = 10 with AVX-512 (20 of the 32 zmm registers), 6 with
  * AVX2 (12 of the 16 ymm). Not 12 with AVX-512, though 24 accumulators fit: each row of x is read
- * through its own pointer, and twelve of them with the loop's own left too few general registers,
- * so the inner loop reloaded spilled pointers (on an AMD EPYC Zen 5, 2 cores, the model's 120
- * weights streamed: 24 / 48 / 64 rows 1.14 / 1.09 / 1.10x faster at 10 than at 12 in fp32, 48-512
- * rows 1.03-1.05x in bf16, 1-20 rows the same).
+ * through its own pointer, and twelve row pointers plus the loop's own (k, panel, prefetch) need
+ * more than the 16 general registers, so gcc 12 (-O3 -march=native) kept some in vector registers
+ * and moved them back (vmovq) inside the inner loop. At 10 they fit: on an AMD EPYC Zen 5, 2 cores,
+ * the model's 120 weights streamed, fp32 24 / 32 / 48 / 64 rows 1.14 / 1.03 / 1.09 / 1.10x faster
+ * than at 12, bf16 48-512 rows 1.03-1.05x, 1-20 rows the same.
  *
  * At a decode step's row counts this beats oneDNN's packed matmul, which pays a per-call set-up
  * and splits the work for many rows: the model's 120 weights cold, on an AMD EPYC (Zen 3, AVX2,
