@@ -38,7 +38,7 @@ from appliance.numeric import best_times
 
 from . import huge_pages
 from .cpu_kernels import CpuKernels, LayerShape
-from .paged_attention import AttentionMetadata, paged_attention
+from .paged_attention import AttentionMetadata, kernel_scale, paged_attention
 
 log = logging.getLogger(__name__)
 
@@ -295,10 +295,9 @@ class FastLlamaForward:
         if self._work.numel() < need:
             self._work = h.new_empty(need)
         by_kernel, (k_cache, _) = meta.kernel_rows, meta.kv_caches[0]
-        scaling = self.layers[0].scaling
         self.kernels.decoder_layers(h, self._layer_table[1], self.layer_eps, self.layer_shape, cos, sin, meta.slot_mapping,
                                     by_kernel.block_tables, by_kernel.ctx_lens, by_kernel.decode_rows, meta.block_size,
-                                    k_cache.shape[1], scaling if scaling is not None else self.head_dim**-0.5, self._work)
+                                    k_cache.shape[1], kernel_scale(self.layers[0].scaling, self.head_dim), self._work)
 
     def linears(self) -> list[PackedLinear]:
         """Every matmul of the forward (the layers' projections and the LM head)."""

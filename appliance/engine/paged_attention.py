@@ -115,6 +115,11 @@ def _gather(cache: torch.Tensor, context: BlockGather, buffer: torch.Tensor, blo
     return out.view(kv_heads, context.rows, context.width * block_size, head_dim).transpose(0, 1)
 
 
+def kernel_scale(scaling: float | None, head_dim: int) -> float:
+    """The score scale the C kernels take: the layer's `scaling`, else SDPA's default 1/sqrt(head_dim)."""
+    return scaling if scaling is not None else head_dim**-0.5
+
+
 def paged_attention(
     layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, scaling: float | None
 ) -> torch.Tensor:
@@ -128,9 +133,9 @@ def paged_attention(
     k_buf, v_buf = meta.gather_buffers
     if meta.kernel_rows is not None:
         by_kernel = meta.kernel_rows
-        scale = scaling if scaling is not None else head_dim**-0.5  # SDPA's default
         by_kernel.kernels.paged_attend(q[: by_kernel.rows], k_cache, v_cache, by_kernel.block_tables, by_kernel.ctx_lens,
-                                       meta.block_size, scale, out[: by_kernel.rows], cold_rows=by_kernel.decode_rows)
+                                       meta.block_size, kernel_scale(scaling, head_dim), out[: by_kernel.rows],
+                                       cold_rows=by_kernel.decode_rows)
     for group in meta.decode_groups:
         # The query heads that share a KV head become extra "query rows": no KV repeat needed.
         n = group.context.rows
