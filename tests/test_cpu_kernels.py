@@ -50,7 +50,7 @@ def _reference(q, k_cache, v_cache, tables, ctx_lens, block_size, scale):
 @pytest.mark.parametrize(
     "dtype,heads,kv_heads,head_dim,block_size,ctx_lens",
     [
-        (torch.float32, 9, 3, 64, 16, [1, 15, 16, 17, 33, 100, 257]),  # the default model's shape
+        (torch.float32, 9, 3, 64, 16, [1, 15, 16, 17, 33, 100, 256, 257]),  # the default model's shape; one span and one token more
         (torch.float32, 4, 4, 32, 4, [3, 64, 65]),  # no grouping, small blocks
         (torch.float32, 8, 2, 128, 16, [1, 50, 129]),  # the other head size with its own copy
         (torch.float32, 8, 1, 80, 5, [7, 31, 32, 96]),  # one KV head for all, odd block size and dim

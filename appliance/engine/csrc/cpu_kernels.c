@@ -2,14 +2,14 @@
  *
  * - paged_attend_*: one query token per row against that row's cached context, read block by
  *   block straight from the paged KV cache (no gathered copy; the tiled bf16 prefill path below
- *   copies a chunk's context once into tiles), online softmax, OpenMP over
+ *   copies a chunk's context once into tiles), softmax per span of SPAN tokens, OpenMP over
  *   (row, KV head); the query heads that share a KV head are served by one pass over it, in
  *   16-float vectors (head_dim a multiple of 16). Each 16 tokens' scores of a query head are
- *   folded into one vector (transpose_sum16) and exponentiated together (exp16). A row is a
- *   decode row or one of a prefill chunk's (a query over its sequence's slots up to itself); the
- *   first `cold_rows` rows' contexts are prefetched ahead (see prefetch_token). In bfloat16 with
- *   AVX512-BF16 and head sizes of whole 32s a prefill chunk's rows share tiles of their context
- *   instead (see chunk_run).
+ *   folded into one vector (transpose_sum16), exponentiated together (exp16) once the span's
+ *   maximum is known. A row is a decode row or one of a prefill chunk's (a query over its
+ *   sequence's slots up to itself); the first `cold_rows` rows' contexts are prefetched ahead
+ *   (see prefetch_token). In bfloat16 with AVX512-BF16 and head sizes of whole 32s a prefill
+ *   chunk's rows share tiles of their context instead (see chunk_run).
  * - rms_norm_*, rotary_*, silu_mul_*: the llama layer's elementwise work, one pass each where
  *   torch needs five to eight kernels (and as many passes over memory), in 16-float vectors;
  *   silu_mul with exp16 and recip16.
@@ -30,7 +30,17 @@
 #include <immintrin.h>
 #endif
 
-#define CHUNK 16 /* tokens scored per online-softmax step: one vector of scores (LANES) */
+#define CHUNK 16 /* tokens scored together: one vector of scores (LANES) */
+/* Tokens of a row's context per softmax pass of the per-row path: every score of the span first,
+ * then its maximum, its exps (independent vectors that pipeline) and their sum, then the values.
+ * With the softmax taken per 16-token chunk instead, each chunk's max, exp and sum formed one
+ * chain of dependent instructions between two chunks' products (8-64 rows whose contexts reach
+ * 160-2000 tokens, head size 64 with 3 query heads to a KV head, AMD EPYC Zen 5, 2 threads: the
+ * kernel 1.15-1.31x faster with the cache in L3, 1.04-1.09x cold, where reading the cache bounds
+ * it; a float32 prefill step of 512 tokens 1.04x). Each span past the first takes one rescale of
+ * the running sums. */
+#define SPAN 256
+_Static_assert(SPAN % CHUNK == 0, "a span is whole chunks: its last chunk's scores fit in s[g]");
 #define MAX_GROUP 16
 #define MAX_DIM 256
 /* Calls touching fewer elements than this run on one thread: a decode step's norm (64 x 576)
@@ -262,8 +272,11 @@ static inline __attribute__((always_inline)) int64_t next_slot(token_walk *w, co
  * ahead of the one that computes: into L1 PREFETCH_NEAR tokens ahead, into L2 PREFETCH_FAR ahead
  * (64 rows of 160-600 tokens, head size 64, scattered blocks, cold: 1.18-1.26x faster in bfloat16
  * and 1.02-1.05x in float32 than with only the next chunk's keys and this chunk's values asked
- * for, on an AMD EPYC Zen 5). A prefill chunk's rows read one context that their neighbours keep
- * in cache: prefetching there only costs instructions (16-22 %), so those rows skip it. */
+ * for, on an AMD EPYC Zen 5). The walks run with the key products; a token's value row, asked for
+ * with its key, is read once the span's softmax is done (SPAN), by then often out of L1 into L2
+ * (a second prefetch of the values 16 tokens ahead of the value pass changed nothing measurable).
+ * A prefill chunk's rows read one context that their neighbours keep in cache: prefetching there
+ * only costs instructions (16-22 %), so those rows skip it. */
 #define PREFETCH_NEAR 16
 #define PREFETCH_FAR 64
 
@@ -525,8 +538,9 @@ static inline __attribute__((always_inline)) int tiled_f32(int64_t head_dim) { (
         const int64_t *table = block_tables + i * table_width;                                       \
         const T *kh = k_cache + h * num_slots * D, *vh = v_cache + h * num_slots * D;                \
         v16f qv[MAX_GROUP][MAX_DIM / LANES], acc[MAX_GROUP][MAX_DIM / LANES], dots[MAX_GROUP][LANES]; \
-        float s[MAX_GROUP][CHUNK], m[MAX_GROUP], l[MAX_GROUP];                                       \
-        int64_t slots[CHUNK]; /* this chunk's tokens' cache offsets (slot * D) */                     \
+        float s[MAX_GROUP][SPAN] __attribute__((aligned(64))); /* a span's scores, then their exps */ \
+        float m[MAX_GROUP], l[MAX_GROUP];                                                             \
+        int64_t slots[SPAN]; /* the span's tokens' cache offsets (slot * D) */                        \
         v16i lane;                                                                                   \
         for (int e = 0; e < LANES; e++) lane[e] = e;                                                 \
         for (int64_t g = 0; g < G; g++) {                                                            \
@@ -551,31 +565,47 @@ static inline __attribute__((always_inline)) int tiled_f32(int64_t head_dim) { (
         while (cold && near.token < ctx && near.token < PREFETCH_NEAR)                               \
             prefetch_token(&near, table, block_size, row_bytes, kb, vb, 0);                          \
         token_walk walk = {0, 0, 0};                                                                 \
-        for (int64_t t0 = 0; t0 < ctx; t0 += CHUNK) {                                                \
-            const int64_t n = ctx - t0 < CHUNK ? ctx - t0 : CHUNK;                                   \
-            for (int64_t t = 0; t < n; t++) slots[t] = next_slot(&walk, table, block_size) * D;      \
-            for (int64_t t = 0; t < n; t++) { /* each key row loaded once for the group */           \
-                if (cold && near.token < ctx) prefetch_token(&near, table, block_size, row_bytes, kb, vb, 0); \
-                if (cold && far.token < ctx) prefetch_token(&far, table, block_size, row_bytes, kb, vb, 1); \
-                else if (ahead.token < ahead_end) /* the far walk is done: on into the next item's */ \
-                    prefetch_token(&ahead, next_table, block_size, row_bytes, next_kb, next_vb, 1);   \
-                score_##SUFFIX((const v16f(*)[MAX_DIM / LANES])qv, G, kh + slots[t], nv, dots, t);    \
+        for (int64_t s0 = 0; s0 < ctx; s0 += SPAN) {                                                 \
+            const int64_t span = ctx - s0 < SPAN ? ctx - s0 : SPAN, chunks = (span + CHUNK - 1) / CHUNK; \
+            for (int64_t c = 0; c < span; c += CHUNK) { /* the span's scores, a chunk at a time */   \
+                const int64_t n = span - c < CHUNK ? span - c : CHUNK;                               \
+                for (int64_t t = 0; t < n; t++) { /* each key row loaded once for the group */       \
+                    slots[c + t] = next_slot(&walk, table, block_size) * D;                          \
+                    if (cold && near.token < ctx) prefetch_token(&near, table, block_size, row_bytes, kb, vb, 0); \
+                    if (cold && far.token < ctx) prefetch_token(&far, table, block_size, row_bytes, kb, vb, 1); \
+                    else if (ahead.token < ahead_end) /* the far walk is done: on into the next item's */ \
+                        prefetch_token(&ahead, next_table, block_size, row_bytes, next_kb, next_vb, 1); \
+                    score_##SUFFIX((const v16f(*)[MAX_DIM / LANES])qv, G, kh + slots[c + t], nv, dots, t); \
+                }                                                                                    \
+                const v16i live = lane < (int32_t)n;                                                 \
+                for (int64_t g = 0; g < G; g++) {                                                    \
+                    for (int64_t t = n; t < CHUNK; t++) dots[g][t] = (v16f){0};                      \
+                    store16_f32(s[g] + c, select16(live, transpose_sum16(dots[g]) * scale, (v16f){0} - 3.0e38f)); \
+                }                                                                                    \
             }                                                                                        \
-            const v16i live = lane < (int32_t)n;                                                     \
-            for (int64_t g = 0; g < G; g++) { /* the chunk's scores in one vector, online softmax */ \
-                for (int64_t t = n; t < CHUNK; t++) dots[g][t] = (v16f){0};                          \
-                const v16f scores = select16(live, transpose_sum16(dots[g]) * scale, (v16f){0} - 3.0e38f); \
-                const float chunk_top = max16(scores), top = chunk_top > m[g] ? chunk_top : m[g];    \
-                const v16f p = select16(live, exp16(scores - top), (v16f){0});                       \
-                const float rescale = expf(m[g] - top);                                              \
-                l[g] = l[g] * rescale + sum16(p);                                                    \
+            /* softmax over the span, its chunks' exps independent; lanes past its end hold -3e38, whose \
+             * exps (clamped: exp(-87)) vanish in l, which is at least 1 (the top's own exp(0)) */     \
+            for (int64_t g = 0; g < G; g++) {                                                        \
+                v16f top16 = load16_f32(s[g]);                                                       \
+                for (int64_t k = 1; k < chunks; k++) top16 = max16v(top16, load16_f32(s[g] + CHUNK * k)); \
+                const float span_top = max16(top16), top = span_top > m[g] ? span_top : m[g];        \
+                v16f sum = {0};                                                                      \
+                for (int64_t k = 0; k < chunks; k++) {                                               \
+                    const v16f p = exp16(load16_f32(s[g] + CHUNK * k) - top);                        \
+                    sum += p;                                                                        \
+                    store16_f32(s[g] + CHUNK * k, p);                                                \
+                }                                                                                    \
+                if (s0) { /* an earlier span's sums, rescaled to this top */                         \
+                    const float rescale = expf(m[g] - top);                                          \
+                    l[g] *= rescale;                                                                 \
+                    for (int64_t j = 0; j < nv; j++) acc[g][j] *= rescale;                           \
+                }                                                                                    \
+                l[g] += sum16(sum);                                                                  \
                 m[g] = top;                                                                          \
-                memcpy(s[g], &p, sizeof p);                                                          \
-                for (int64_t j = 0; j < nv; j++) acc[g][j] *= rescale;                               \
             }                                                                                        \
-            for (int64_t t = 0; t < n; t++) { /* values: each row loaded once for the group */       \
+            for (int64_t t = 0; t < span; t++) { /* values: each row loaded once for the group */    \
                 v16f v[MAX_DIM / LANES];                                                             \
-                for (int64_t j = 0; j < nv; j++) v[j] = load16_##SUFFIX(vh + slots[t] + LANES * j);   \
+                for (int64_t j = 0; j < nv; j++) v[j] = load16_##SUFFIX(vh + slots[t] + LANES * j);  \
                 for (int64_t g = 0; g < G; g++)                                                      \
                     for (int64_t j = 0; j < nv; j++) acc[g][j] += s[g][t] * v[j];                    \
             }                                                                                        \
