@@ -30,6 +30,7 @@ from appliance.bench.workloads import skewed  # noqa: E402
 from appliance.cli import build_parser  # noqa: E402
 from appliance.engine import LLMEngine, SamplingParams  # noqa: E402
 from appliance.model_loader import load_model  # noqa: E402
+from appliance.server.cli import freeze_heap  # noqa: E402
 from appliance.settings import engine_config_from_args  # noqa: E402
 
 
@@ -68,6 +69,7 @@ def main() -> None:
     print(f"skewed-{args.num_requests}: {sum(r.output_len for r in requests)} forced output tokens, "
           f"{args.dtype}, all at once, the server's default knobs", flush=True)
     loaded = load_model(dtype=args.dtype, device="cpu")
+    freeze_heap()  # as `appliance serve` does: no full collection of the model's objects in a timed step
     rows = {"in-process engine": in_process(loaded, args.dtype, requests)}
     print(f"{'in-process engine':36s} {rows['in-process engine']:8.1f} tok/s", flush=True)
     rows["served (appliance bench -> serve)"] = served(args.dtype, args.num_requests)

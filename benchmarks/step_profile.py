@@ -47,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from appliance.engine import EngineConfig, Knobs, LLMEngine, SamplingParams  # noqa: E402
 from appliance.engine import detokenizer, engine as engine_module, fast_llama, model_runner, scheduler  # noqa: E402
 from appliance.model_loader import load_model  # noqa: E402
+from appliance.server.cli import freeze_heap  # noqa: E402
 
 CATEGORIES = ["matmuls", "attention", "elementwise", "other forward", "metadata", "sampling", "detokenise", "scheduling",
               "telemetry", "other Python"]
@@ -203,6 +204,7 @@ def main() -> None:
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     loaded = load_model(dtype=args.dtype, device="cpu")
+    freeze_heap()  # as `appliance serve` does: no full collection of the model's objects in a timed step
     folder = Path(tempfile.mkdtemp(prefix="step-profile-"))
     results = []
     for batch in batches:
