@@ -99,10 +99,12 @@ def test_the_forward_applies_its_timed_plain_rows_to_every_matmul(loaded_model):
     assert len(forward.linears()) == 4 * len(forward.layers) + 1
 
 
-@pytest.mark.parametrize("wins", [3, 0])  # the own GEMM wins (the last time a tie) at the first counts tried, or at none
+@pytest.mark.parametrize("wins", [3, 0])  # the own GEMM wins at the first counts tried, or at none
 def test_own_rows_count_up_while_the_own_gemm_wins(kernel, wins):
-    times = [1.0, 2.0] * (wins - 1) + [1.0, 1.0] if wins else []
-    times += [2.0, 1.0]  # then loses: the rest are not tried
+    half = (fast_llama.OWN_MARGIN - 1) / 2
+    # faster, then (the last win) slower by half the margin: the one-call path is worth that
+    times = [1.0, 2.0] * (wins - 1) + [1 + half, 1.0] if wins else []
+    times += [fast_llama.OWN_MARGIN + half, 1.0]  # then slower by more than it: the rest are not tried
     rows = fast_llama.OWN_ROWS_TRIED[wins - 1] if wins else 0
     linear = fast_llama.PackedLinear(torch.randn(64, 32), kernels=kernel)
     clock = iter(times)
