@@ -15,7 +15,10 @@ kernels are timed right before and right after the engine's continuous run, and 
 sets the ceiling. Last, what the engine's own matmuls alone cost (`matmul_bound`): its matmul
 calls timed at the rows each of its steps ran, weights streamed from memory as in a step, which
 splits the gap to the ceiling into the kernels' share (a step's matmuls at tens of rows, weights
-cold, run well under the hot 512-row rate) and the rest of the engine's.
+cold, run well under the hot 512-row rate) and the rest of the engine's; and what its decode
+attention alone costs (`attention_bound`: the C kernel at each step's decode rows and context,
+every layer's cache cold), which the ceiling leaves out: matmuls and attention alone are the
+floor of this engine's design on the machine, whatever its Python and elementwise work cost.
 
     python benchmarks/throughput.py [--dtype float32] [--also-bf16] [--skip-peers] [--num-threads N]
 """
@@ -62,7 +65,7 @@ def run_engine(loaded, requests, policy: str, max_num_seqs: int) -> dict:
     t0 = time.time()
     for i, r in enumerate(requests):
         engine.add_request(str(i), r["prompt_ids"], SamplingParams(max_tokens=r["output_len"], temperature=0, ignore_eos=True), arrival=t0)
-    tokens, e2e, ttft, steps = 0, [], [], []
+    tokens, e2e, ttft, steps, decode = 0, [], [], [], []
     while engine.has_unfinished():
         sampled = 0
         for out in engine.step():
@@ -71,9 +74,14 @@ def run_engine(loaded, requests, policy: str, max_num_seqs: int) -> dict:
                 e2e.append(out.metrics.finished - t0)
                 ttft.append(out.metrics.first_token - t0)
         tokens += sampled
-        steps.append((engine.last_stats.scheduled_tokens + engine.last_stats.padding_tokens, sampled))
+        stats = engine.last_stats
+        steps.append((stats.scheduled_tokens + stats.padding_tokens, sampled))
+        if stats.decode_seqs:
+            decode.append((stats.decode_seqs, stats.decode_context_tokens))
     row = summarize(f"engine {policy}", time.time() - t0, tokens, e2e, ttft)
-    row["steps"], row["linears"] = steps, engine.runner.fast.linears() if engine.runner.fast else None
+    row["steps"], row["decode"] = steps, decode
+    row["linears"] = engine.runner.fast.linears() if engine.runner.fast else None
+    row["block_size"] = engine.config.block_size
     return row
 
 
@@ -260,6 +268,35 @@ def matmul_bound(linears: list[PackedLinear], steps: list[tuple[int, int]], devi
     return float(np.interp(forwarded, at, [0.0, *body_s]).sum() + np.interp(sampled, at, [0.0, *head_s]).sum())
 
 
+def attention_bound(loaded, decode: list[tuple[int, int]], block_size: int) -> tuple[float, float]:
+    """(seconds, GB read) of the C attention kernel alone at the run's decode rows, each of `decode`'s
+    steps ((decode rows, their summed context)) attended in every layer, each row at the step's mean
+    context, its blocks scattered over a cache as large as the step needs, every layer's cache in
+    turn (cold, as in a step). Decode attention reads every key and value of every row's context
+    once: no system with this cache's dtype reads less. Prefill rows are left out."""
+    cfg = loaded.model.config
+    kernels = cpu_kernels.load()
+    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    widths = [-(-total // rows // block_size) or 1 for rows, total in decode]
+    blocks = max(rows * width for (rows, _), width in zip(decode, widths))
+    gen = torch.Generator().manual_seed(0)
+    caches = [tuple(torch.randn(kv_heads, blocks * block_size, head_dim, generator=gen).to(loaded.dtype) for _ in range(2))
+              for _ in range(cfg.num_hidden_layers)]
+    seconds = 0.0
+    for (rows, total), width in zip(decode, widths):
+        tables = torch.randperm(blocks, generator=gen)[: rows * width].view(rows, width).contiguous()
+        ctx = torch.full((rows,), total // rows, dtype=torch.int64)
+        q = torch.randn(rows, heads, head_dim, generator=gen).to(loaded.dtype)
+        out = torch.empty_like(q)
+        start = time.perf_counter()
+        for k_cache, v_cache in caches:
+            kernels.paged_attend(q, k_cache, v_cache, tables, ctx, block_size, head_dim ** -0.5, out)
+        seconds += time.perf_counter() - start
+    per_token = cfg.num_hidden_layers * 2 * kv_heads * head_dim * loaded.dtype.itemsize
+    return seconds, sum(rows * (total // rows) for rows, total in decode) * per_token / 1e9
+
+
 def weight_pass_seconds(loaded) -> float:
     """Best time of one batch-1 matmul over every weight matrix (each streamed once from memory,
     as a batch-1 decode step must), the fastest of `matmul_calls`."""
@@ -357,6 +394,13 @@ def main() -> None:
                   f"engine's {rows[0]['wall_s']:.1f} s is {100 * bound / rows[0]['wall_s']:.0f} % matmuls, "
                   f"{100 - 100 * bound / rows[0]['wall_s']:.0f} % the rest (attention, elementwise, Python)",
                   flush=True)
+            if cpu_kernels.load() is not None and rows[0]["decode"]:
+                attn_s, gb = attention_bound(loaded, rows[0]["decode"], rows[0]["block_size"])
+                floor = bound + attn_s
+                print(f"decode attention alone: the attention kernel at each step's decode rows and context, every "
+                      f"layer's cache cold, reads {gb:.1f} GB in {attn_s:.1f} s ({gb / attn_s:.0f} GB/s); matmuls and "
+                      f"it alone take {floor:.1f} s ({tokens / floor:.0f} tok/s = {100 * tokens / floor / ceiling:.0f} % "
+                      f"of the ceiling), {100 * floor / rows[0]['wall_s']:.0f} % of the engine's wall", flush=True)
         for batch, ctx in ((64, 160), (1, 160)):
             eng, bare = efficiency(loaded, batch, ctx)
             print(f"efficiency at batch {batch}, context {ctx}: engine {eng:.1f} tok/s vs bare forward "
