@@ -99,12 +99,17 @@ def test_the_forward_applies_its_timed_plain_rows_to_every_matmul(loaded_model):
     assert len(forward.linears()) == 4 * len(forward.layers) + 1
 
 
-@pytest.mark.parametrize("wins", [3, 0])  # the own GEMM wins at the first counts tried, or at none
-def test_own_rows_count_up_while_the_own_gemm_wins(kernel, wins):
-    half = (fast_llama.OWN_MARGIN - 1) / 2
-    # faster, then (the last win) slower by half the margin: the one-call path is worth that
-    times = [1.0, 2.0] * (wins - 1) + [1 + half, 1.0] if wins else []
-    times += [fast_llama.OWN_MARGIN + half, 1.0]  # then slower by more than it: the rest are not tried
+HALF = (fast_llama.OWN_MARGIN - 1) / 2
+WIN, CLOSE_WIN, LOSS = [1.0, 2.0], [1 + HALF, 1.0], [fast_llama.OWN_MARGIN + HALF, 1.0]  # (own, replaced) per timing
+
+
+@pytest.mark.parametrize("timings, wins", [
+    ([WIN, WIN, CLOSE_WIN, LOSS, LOSS], 3),  # slower by half the margin still wins: the one-call path is worth that
+    ([WIN, LOSS, WIN, LOSS, LOSS], 2),  # a loss timed again: the second timing's win counts
+    ([LOSS, LOSS], 0),  # lost at the first count, twice: none
+])
+def test_own_rows_count_up_while_the_own_gemm_wins(kernel, timings, wins):
+    times = [t for pair in timings for t in pair]  # after two losses at one count the rest are not tried
     rows = fast_llama.OWN_ROWS_TRIED[wins - 1] if wins else 0
     linear = fast_llama.PackedLinear(torch.randn(64, 32), kernels=kernel)
     clock = iter(times)
@@ -115,6 +120,7 @@ def test_own_rows_count_up_while_the_own_gemm_wins(kernel, wins):
         return [next(clock) for _ in fns]
 
     assert fast_llama.faster_own_rows([linear, linear], timed) == rows
+    assert next(clock, None) is None  # every scripted timing taken, none more
 
 
 def test_own_rows_are_timed_once_a_process_for_the_same_weight_shapes(kernel, monkeypatch):
