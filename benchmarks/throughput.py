@@ -17,8 +17,9 @@ calls timed at the rows each of its steps ran, weights streamed from memory as i
 splits the gap to the ceiling into the kernels' share (a step's matmuls at tens of rows, weights
 cold, run well under the hot 512-row rate) and the rest of the engine's; and what its decode
 attention alone costs (`attention_bound`: the C kernel at each step's decode rows and context,
-every layer's cache cold), which the ceiling leaves out: matmuls and attention alone are the
-floor of this engine's design on the machine, whatever its Python and elementwise work cost.
+every layer's cache cold), which the ceiling leaves out: matmuls and attention timed alone are
+what this engine's design costs on the machine before any Python or elementwise work (timed apart
+from the run, on a shared machine, the two can come out above the run's own wall).
 
     python benchmarks/throughput.py [--dtype float32] [--also-bf16] [--skip-peers] [--num-threads N]
 """
@@ -273,7 +274,7 @@ def attention_bound(loaded, decode: list[tuple[int, int]], block_size: int) -> t
     steps ((decode rows, their summed context)) attended in every layer, each row at the step's mean
     context, its blocks scattered over a cache as large as the step needs, every layer's cache in
     turn (cold, as in a step). Decode attention reads every key and value of every row's context
-    once: no system with this cache's dtype reads less. Prefill rows are left out."""
+    once, in any system with this cache's dtype. Prefill rows are left out."""
     cfg = loaded.model.config
     kernels = cpu_kernels.load()
     heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
