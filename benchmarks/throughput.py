@@ -38,6 +38,7 @@ import torch
 
 from appliance.engine import EngineConfig, Knobs, LLMEngine, SamplingParams, cpu_kernels
 from appliance.engine.fast_llama import PackedLinear, own_copies_on_huge_pages
+from appliance.engine.model_runner import kv_cache_spec
 from appliance.model_loader import load_model
 
 # The CPU default, also on a GPU (where the default would take 90 % of its memory for every engine).
@@ -83,6 +84,7 @@ def run_engine(loaded, requests, policy: str, max_num_seqs: int) -> dict:
     row["steps"], row["decode"] = steps, decode
     row["linears"] = engine.runner.fast.linears() if engine.runner.fast else None
     row["block_size"] = engine.config.block_size
+    row["attention_kernel"] = engine.runner.attention_kernel  # None where decode rows took SDPA
     return row
 
 
@@ -269,33 +271,32 @@ def matmul_bound(linears: list[PackedLinear], steps: list[tuple[int, int]], devi
     return float(np.interp(forwarded, at, [0.0, *body_s]).sum() + np.interp(sampled, at, [0.0, *head_s]).sum())
 
 
-def attention_bound(loaded, decode: list[tuple[int, int]], block_size: int) -> tuple[float, float]:
-    """(seconds, GB read) of the C attention kernel alone at the run's decode rows, each of `decode`'s
-    steps ((decode rows, their summed context)) attended in every layer, each row at the step's mean
-    context, its blocks scattered over a cache as large as the step needs, every layer's cache in
-    turn (cold, as in a step). Decode attention reads every key and value of every row's context
-    once, in any system with this cache's dtype. Prefill rows are left out."""
-    cfg = loaded.model.config
-    kernels = cpu_kernels.load()
-    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    widths = [-(-total // rows // block_size) or 1 for rows, total in decode]
+def attention_bound(loaded, kernels, decode: list[tuple[int, int]], block_size: int) -> tuple[float, float]:
+    """(seconds, GB read) of the C attention kernel (`kernels`) alone at the run's decode rows, each
+    of `decode`'s steps ((decode rows, their summed context)) attended in every layer, each row at
+    the step's mean context, its blocks scattered over a cache as large as the largest step needs,
+    every layer's cache in turn (cold, as in a step). Decode attention reads every key and value of
+    every row's context once, in any system with this cache's dtype. Prefill rows are left out."""
+    spec = kv_cache_spec(loaded)
+    heads = loaded.model.config.num_attention_heads
+    contexts = [total // rows for rows, total in decode]
+    widths = [-(-ctx // block_size) for ctx in contexts]
     blocks = max(rows * width for (rows, _), width in zip(decode, widths))
     gen = torch.Generator().manual_seed(0)
-    caches = [tuple(torch.randn(kv_heads, blocks * block_size, head_dim, generator=gen).to(loaded.dtype) for _ in range(2))
-              for _ in range(cfg.num_hidden_layers)]
+    caches = [tuple(torch.randn(spec.num_kv_heads, blocks * block_size, spec.head_dim, generator=gen).to(spec.dtype)
+                    for _ in range(2)) for _ in range(spec.num_layers)]
     seconds = 0.0
-    for (rows, total), width in zip(decode, widths):
+    for (rows, _), ctx, width in zip(decode, contexts, widths):
         tables = torch.randperm(blocks, generator=gen)[: rows * width].view(rows, width).contiguous()
-        ctx = torch.full((rows,), total // rows, dtype=torch.int64)
-        q = torch.randn(rows, heads, head_dim, generator=gen).to(loaded.dtype)
+        ctx_lens = torch.full((rows,), ctx, dtype=torch.int64)
+        q = torch.randn(rows, heads, spec.head_dim, generator=gen).to(spec.dtype)
         out = torch.empty_like(q)
         start = time.perf_counter()
         for k_cache, v_cache in caches:
-            kernels.paged_attend(q, k_cache, v_cache, tables, ctx, block_size, head_dim ** -0.5, out)
+            kernels.paged_attend(q, k_cache, v_cache, tables, ctx_lens, block_size, spec.head_dim ** -0.5, out)
         seconds += time.perf_counter() - start
-    per_token = cfg.num_hidden_layers * 2 * kv_heads * head_dim * loaded.dtype.itemsize
-    return seconds, sum(rows * (total // rows) for rows, total in decode) * per_token / 1e9
+    tokens = sum(rows * ctx for (rows, _), ctx in zip(decode, contexts))
+    return seconds, tokens * spec.bytes_per_token / 1e9
 
 
 def weight_pass_seconds(loaded) -> float:
@@ -395,8 +396,8 @@ def main() -> None:
                   f"engine's {rows[0]['wall_s']:.1f} s is {100 * bound / rows[0]['wall_s']:.0f} % matmuls, "
                   f"{100 - 100 * bound / rows[0]['wall_s']:.0f} % the rest (attention, elementwise, Python)",
                   flush=True)
-            if cpu_kernels.load() is not None and rows[0]["decode"]:
-                attn_s, gb = attention_bound(loaded, rows[0]["decode"], rows[0]["block_size"])
+            if rows[0]["attention_kernel"] is not None and rows[0]["decode"]:
+                attn_s, gb = attention_bound(loaded, rows[0]["attention_kernel"], rows[0]["decode"], rows[0]["block_size"])
                 floor = bound + attn_s
                 print(f"decode attention alone: the attention kernel at each step's decode rows and context, every "
                       f"layer's cache cold, reads {gb:.1f} GB in {attn_s:.1f} s ({gb / attn_s:.0f} GB/s); matmuls and "

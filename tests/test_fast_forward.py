@@ -106,6 +106,8 @@ WIN, CLOSE_WIN, LOSS = [1.0, 2.0], [1 + HALF, 1.0], [fast_llama.OWN_MARGIN + HAL
 @pytest.mark.parametrize("timings, wins", [
     ([WIN, WIN, CLOSE_WIN, LOSS, LOSS], 3),  # slower by half the margin still wins: the one-call path is worth that
     ([WIN, LOSS, WIN, LOSS, LOSS], 2),  # a loss timed again: the second timing's win counts
+    ([[fast_llama.OWN_MARGIN, 1.0], LOSS, LOSS], 1),  # slower by exactly the margin: a win
+    ([WIN] * len(fast_llama.OWN_ROWS_TRIED), len(fast_llama.OWN_ROWS_TRIED)),  # won at every count
     ([LOSS, LOSS], 0),  # lost at the first count, twice: none
 ])
 def test_own_rows_count_up_while_the_own_gemm_wins(kernel, timings, wins):

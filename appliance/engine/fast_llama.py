@@ -15,7 +15,7 @@ runs that many rows unpacked where BLAS wins by PLAIN_MARGIN (`plain_rows`). Wit
 in float32 (and bfloat16 where the CPU has AVX512-BF16) each weight gets a second packed copy
 for the kernels' own GEMM, which the forward times against oneDNN's once a process, on every
 layer's gate/up weight streamed as a step streams them, and uses up to the most rows where it won
-(`own_rows`: 64-256 on an AMD EPYC with AVX2, where it runs a decode step's matmuls 1.2-1.6x
+(within OWN_MARGIN; `own_rows`: 64-256 on an AMD EPYC with AVX2, where it runs a decode step's matmuls 1.2-1.6x
 faster; in fp32 128 on an Intel Xeon with AVX-512, 1.3-1.5x at 16-64 rows, where one hot weight
 timed alone had made it a coin toss from 16 rows on; in bf16 1 there, 1.3x, AMX's far ahead
 from 16 rows; in bf16 512 on an AMD EPYC Zen 5). Where every matmul of a step takes the own GEMM
@@ -131,7 +131,8 @@ OWN_ROWS_TRIED = (1, 4, 8, 16, 32, 64, 128, 256, 512)
 # see (fp32 on an AMD EPYC Zen 5: own and oneDNN even at 512 rows, and skewed-64's run 1.03x faster
 # with the 512-row prefill chunks in one call than through the Python loop and oneDNN). A loss is
 # timed twice before the count stops: at 512 rows one timing of a fresh server lost by more than
-# the margin where six fresh processes' timings had the own GEMM 1-8 % ahead.
+# the margin where six fresh processes' timings had the own GEMM 1-8 % ahead. The margin also
+# reaches the matmuls outside the one call (the LM head, steps the Python loop runs): at most 5 %.
 OWN_MARGIN = 1.05
 
 
@@ -139,10 +140,10 @@ def faster_own_rows(linears: Sequence[PackedLinear],
                     timed: Callable[[Sequence[Callable[[], object]]], list[float]] | None = None) -> int:
     """The most rows (of OWN_ROWS_TRIED, counting up while it keeps winning) at which the C
     kernels' GEMM took at most OWN_MARGIN times the call it replaces (oneDNN's packed matmul, or
-    F.linear where nothing is packed), in one of two timings, over one pass of `linears` (of one shape class, e.g. every
-    layer's gate/up: each weight streamed from memory as a step streams it, where one weight timed
-    again and again sits in cache and tells a different story; each with the kernels' packed copy),
-    `timed` now in this thread."""
+    F.linear where nothing is packed), in its timing or, after a loss, in a second one, over one
+    pass of `linears` (of one shape class, e.g. every layer's gate/up: each weight streamed from
+    memory as a step streams it, where one weight timed again and again sits in cache and tells a
+    different story; each with the kernels' packed copy), `timed` now in this thread."""
     timed = timed or functools.partial(best_times, repeats=3, calls=1)  # 512 rows: 0.05-0.25 s a pass
     others = [linear.onednn_matmul if linear.packed is not None else functools.partial(F.linear, weight=linear.weight)
               for linear in linears]
@@ -266,8 +267,8 @@ class FastLlamaForward:
         for linear in self.linears():
             linear.plain_rows = self.plain_rows
         if self.own_rows:
-            log.info("matmuls of at most %d rows run through the C kernels' GEMM (it beat oneDNN's on this CPU)",
-                     self.own_rows)
+            log.info("matmuls of at most %d rows run through the C kernels' GEMM (at most %.2fx oneDNN's time on this CPU)",
+                     self.own_rows, OWN_MARGIN)
         if self.plain_rows:
             log.info("matmuls of at most %d row(s) run unpacked (BLAS beat the packed call on this CPU)",
                      self.plain_rows)
