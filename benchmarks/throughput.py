@@ -39,6 +39,7 @@ import torch
 from appliance.engine import EngineConfig, Knobs, LLMEngine, SamplingParams, cpu_kernels
 from appliance.engine.fast_llama import PackedLinear, own_copies_on_huge_pages
 from appliance.engine.model_runner import kv_cache_spec
+from appliance.engine.paged_attention import kernel_scale
 from appliance.model_loader import load_model
 
 # The CPU default, also on a GPU (where the default would take 90 % of its memory for every engine).
@@ -293,7 +294,7 @@ def attention_bound(loaded, kernels, decode: list[tuple[int, int]], block_size: 
         out = torch.empty_like(q)
         start = time.perf_counter()
         for k_cache, v_cache in caches:
-            kernels.paged_attend(q, k_cache, v_cache, tables, ctx_lens, block_size, spec.head_dim ** -0.5, out)
+            kernels.paged_attend(q, k_cache, v_cache, tables, ctx_lens, block_size, kernel_scale(None, spec.head_dim), out)
         seconds += time.perf_counter() - start
     tokens = sum(rows * ctx for (rows, _), ctx in zip(decode, contexts))
     return seconds, tokens * spec.bytes_per_token / 1e9
@@ -398,11 +399,11 @@ def main() -> None:
                   flush=True)
             if rows[0]["attention_kernel"] is not None and rows[0]["decode"]:
                 attn_s, gb = attention_bound(loaded, rows[0]["attention_kernel"], rows[0]["decode"], rows[0]["block_size"])
-                floor = bound + attn_s
+                alone = bound + attn_s
                 print(f"decode attention alone: the attention kernel at each step's decode rows and context, every "
                       f"layer's cache cold, reads {gb:.1f} GB in {attn_s:.1f} s ({gb / attn_s:.0f} GB/s); matmuls and "
-                      f"it alone take {floor:.1f} s ({tokens / floor:.0f} tok/s = {100 * tokens / floor / ceiling:.0f} % "
-                      f"of the ceiling), {100 * floor / rows[0]['wall_s']:.0f} % of the engine's wall", flush=True)
+                      f"it alone take {alone:.1f} s ({tokens / alone:.0f} tok/s = {100 * tokens / alone / ceiling:.0f} % "
+                      f"of the ceiling), {100 * alone / rows[0]['wall_s']:.0f} % of the engine's wall", flush=True)
         for batch, ctx in ((64, 160), (1, 160)):
             eng, bare = efficiency(loaded, batch, ctx)
             print(f"efficiency at batch {batch}, context {ctx}: engine {eng:.1f} tok/s vs bare forward "
