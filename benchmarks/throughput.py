@@ -252,8 +252,12 @@ def matmul_bound(linears: list[PackedLinear], steps: list[tuple[int, int]], devi
     """Seconds the engine's own matmul calls (`linears`: the layers' projections, then the LM head)
     take alone at the rows each of its `steps` ran ((rows forwarded, rows sampled)), every weight
     streamed from memory once per step as in a forward: each call set timed (best of 3) over
-    MATMUL_GRID rows and interpolated linearly between. No attention, no elementwise work, no
-    Python: what the engine's wall would be if its matmuls were all it did."""
+    MATMUL_GRID rows and interpolated linearly between. As in a step, each call's input is warm (one
+    per input width: in a step it is the previous op's output) and its output is let go at once (a
+    fresh input per call and a list keeping every output, hundreds of MB of fresh pages a timing at
+    512 rows, made the same calls 1.02-1.11x slower at 8-512 rows on an AMD EPYC Zen 5). No
+    attention, no elementwise work, no Python: what the engine's wall would be if its matmuls were
+    all it did."""
     *body, head = linears
     widest = max(max(r, s) for r, s in steps)
     grid = [g for g in MATMUL_GRID if g < widest] + [widest]
@@ -261,8 +265,14 @@ def matmul_bound(linears: list[PackedLinear], steps: list[tuple[int, int]], devi
         def pass_times(calls: list[PackedLinear]) -> list[float]:
             times = []
             for rows in grid:
-                xs = [torch.randn(rows, lin.weight.shape[1], dtype=lin.weight.dtype, device=device) for lin in calls]
-                times.append(best_of(lambda: [lin(x) for x, lin in zip(xs, calls)], 3, device))
+                inputs = {width: torch.randn(rows, width, dtype=calls[0].weight.dtype, device=device)
+                          for width in {lin.weight.shape[1] for lin in calls}}
+
+                def one_pass() -> None:
+                    for lin in calls:
+                        lin(inputs[lin.weight.shape[1]])
+
+                times.append(best_of(one_pass, 3, device))
             return times
 
         body_s, head_s = pass_times(body), pass_times([head])
