@@ -7,15 +7,21 @@
 3. transformers' continuous batching (`ContinuousBatchingManager`) on the same prompts and lengths
 
 Output tok/s counts forced output tokens over the wall time from the first request to the last
-completion. Served/in-process and served/transformers are printed as ratios.
+completion. Served/in-process and served/transformers are printed as ratios. The server starts
+first and idles while this process steps its engine. With `--rounds N` the first two alternate N
+times against that server, each round with prompts of its own (seed 0, 1, ...: none in the
+server's prefix cache from an earlier round), each pair's ratio and their median printed: on a
+shared machine whose speed moves 10-20 % from one minute to the next, one pair's ratio says more
+about the minute than about serving.
 
-    python benchmarks/served_vs_inprocess.py [--dtype float32] [--num-requests 48] [--skip-peers]
+    python benchmarks/served_vs_inprocess.py [--dtype float32] [--num-requests 48] [--skip-peers] [--rounds N]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -48,13 +54,11 @@ def in_process(loaded, dtype: str, requests) -> float:
     return tokens / (time.perf_counter() - t0)
 
 
-def served(dtype: str, num_requests: int) -> float:
-    with server_process("--dtype", dtype) as server:
-        bench = [sys.executable, "-m", "appliance.cli", "bench", "--base-url", server.base_url, "--workload", "skewed",
-                 "--num-requests", str(num_requests), "--json"]
-        warm = [*bench[:-3], "--num-requests", "2", "--json"]
-        subprocess.run(warm, cwd=ROOT, check=True, capture_output=True, text=True)
-        done = subprocess.run(bench, cwd=ROOT, check=True, capture_output=True, text=True)
+def served(base_url: str, num_requests: int, seed: int) -> float:
+    """`appliance bench` (the skewed workload of `seed`) against the server at `base_url`: output tok/s."""
+    bench = [sys.executable, "-m", "appliance.cli", "bench", "--base-url", base_url, "--workload", "skewed",
+             "--num-requests", str(num_requests), "--seed", str(seed), "--json"]
+    done = subprocess.run(bench, cwd=ROOT, check=True, capture_output=True, text=True)
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     return summary["summary"]["output_throughput"]
 
@@ -64,25 +68,33 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--num-requests", type=int, default=48)
     ap.add_argument("--skip-peers", action="store_true", help="no transformers row")
+    ap.add_argument("--rounds", type=int, default=1, help="in-process and served runs alternating, this many pairs")
     args = ap.parse_args()
-    requests = skewed(args.num_requests, 0)
-    print(f"skewed-{args.num_requests}: {sum(r.output_len for r in requests)} forced output tokens, "
+    if args.rounds < 1:
+        ap.error(f"--rounds must be at least 1, got {args.rounds}")
+    print(f"skewed-{args.num_requests} (seed 0{f' to {args.rounds - 1}, one a round' if args.rounds > 1 else ''}), "
           f"{args.dtype}, all at once, the server's default knobs", flush=True)
     loaded = load_model(dtype=args.dtype, device="cpu")
     freeze_heap()  # as `appliance serve` does: no full collection of the model's objects in a timed step
-    rows = {"in-process engine": in_process(loaded, args.dtype, requests)}
-    print(f"{'in-process engine':36s} {rows['in-process engine']:8.1f} tok/s", flush=True)
-    rows["served (appliance bench -> serve)"] = served(args.dtype, args.num_requests)
-    print(f"{'served (appliance bench -> serve)':36s} {rows['served (appliance bench -> serve)']:8.1f} tok/s", flush=True)
+    ratios, serving, row = [], [], "{:44s} {:8.1f} tok/s"
+    with server_process("--dtype", args.dtype) as server:
+        served(server.base_url, 2, seed=args.rounds)  # warm-up, with prompts no round sends (no prefix cache hits)
+        for round_ in range(args.rounds):
+            label = f" (round {round_ + 1})" if args.rounds > 1 else ""
+            requests = skewed(args.num_requests, round_)  # a round's own prompts: none cached by an earlier round
+            engine = in_process(loaded, args.dtype, requests)
+            print(row.format("in-process engine" + label, engine), flush=True)
+            serving.append(served(server.base_url, args.num_requests, seed=round_))
+            print(row.format("served (appliance bench -> serve)" + label, serving[-1]), flush=True)
+            ratios.append(serving[-1] / engine)
+    line = f"served / in-process = {', '.join(f'{r:.2f}' for r in ratios)}"
+    if args.rounds > 1:
+        line += f" (median {statistics.median(ratios):.2f})"
     if not args.skip_peers:
         hf = run_hf_continuous(loaded, [{"prompt_ids": r.prompt_ids, "output_len": r.output_len} for r in requests])
-        rows["transformers continuous batching"] = hf["tok_s"]
-        print(f"{'transformers continuous batching':36s} {hf['tok_s']:8.1f} tok/s", flush=True)
-    s = rows["served (appliance bench -> serve)"]
-    print(f"served / in-process = {s / rows['in-process engine']:.2f}", end="")
-    if "transformers continuous batching" in rows:
-        print(f", served / transformers CB = {s / rows['transformers continuous batching']:.2f}", end="")
-    print()
+        print(row.format("transformers continuous batching", hf["tok_s"]), flush=True)
+        line += f", served / transformers CB = {serving[-1] / hf['tok_s']:.2f}"  # the last round's prompts
+    print(line)
 
 
 if __name__ == "__main__":
