@@ -310,16 +310,44 @@ def attention_bound(loaded, kernels, decode: list[tuple[int, int]], block_size: 
     return seconds, tokens * spec.bytes_per_token / 1e9
 
 
+def weight_arrangements(model) -> list[list[torch.Tensor]]:
+    """Every weight matrix a forward multiplies by, the (tied) LM head last, in each arrangement a
+    system may stream them: as the model holds them and, where its layers have llama's projections,
+    with each layer's q/k/v and gate/up as one matrix each, as the engine's lean forward holds them
+    (fewer, larger calls: on an AMD EPYC Zen 5 the model's 211 fp32 matrices took 12-15 ms a pass
+    where the 121 fused ones take about 11)."""
+    head = model.get_input_embeddings().weight
+    as_held = [m.weight for m in model.model.modules() if isinstance(m, torch.nn.Linear)] + [head]
+    names = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("gate_proj", "up_proj", "down_proj")}
+    layers = model.model.layers
+    if not all(hasattr(getattr(layer, part, None), name) for layer in layers for part, group in names.items()
+               for name in group):
+        return [as_held]
+    fused = []
+    for layer in layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        fused += [torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]), attn.o_proj.weight,
+                  torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), mlp.down_proj.weight]
+    return [as_held, fused + [head]]
+
+
 def weight_pass_seconds(loaded) -> float:
     """Best time of one batch-1 matmul over every weight matrix (each streamed once from memory,
-    as a batch-1 decode step must), the fastest of `matmul_calls`."""
-    model, dev = loaded.model, loaded.device
-    matrices = [m.weight for m in model.model.modules() if isinstance(m, torch.nn.Linear)]
-    matrices.append(model.get_input_embeddings().weight)  # the (tied) LM head
+    as a batch-1 decode step must), over every arrangement of them (`weight_arrangements`) and
+    every way to multiply (`matmul_calls`)."""
+    dev = loaded.device
+    best = float("inf")
     with torch.inference_mode():
-        inputs = [torch.randn(1, m.shape[1], dtype=loaded.dtype, device=dev) for m in matrices]
-        ways = zip(*(matmul_calls(m) for m in matrices))  # each way, for every matrix
-        return min(best_of(lambda: [call(x) for x, call in zip(inputs, calls)], 5, dev) for calls in ways)
+        for matrices in weight_arrangements(loaded.model):
+            inputs = [torch.randn(1, m.shape[1], dtype=loaded.dtype, device=dev) for m in matrices]
+            for calls in zip(*(matmul_calls(m) for m in matrices)):  # each way, for every matrix
+
+                def one_pass(calls=calls) -> None:
+                    for x, call in zip(inputs, calls):
+                        call(x)
+
+                best = min(best, best_of(one_pass, 5, dev))
+    return best
 
 
 def matmul_calls(w: torch.Tensor) -> list:
