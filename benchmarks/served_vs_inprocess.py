@@ -7,12 +7,12 @@
 3. transformers' continuous batching (`ContinuousBatchingManager`) on the same prompts and lengths
 
 Output tok/s counts forced output tokens over the wall time from the first request to the last
-completion. Served/in-process and served/transformers are printed as ratios. The server starts
-first and idles while this process steps its engine. With `--rounds N` the first two alternate N
-times against that server, each round with prompts of its own (seed 0, 1, ...: none in the
-server's prefix cache from an earlier round), each pair's ratio and their median printed: on a
-shared machine whose speed moves 10-20 % from one minute to the next, one pair's ratio says more
-about the minute than about serving.
+completion. Served/in-process and served/transformers are printed as ratios. One server starts
+before the first round and idles while this process steps its engine. With `--rounds N` the
+in-process and served runs alternate N times against that server, each round with prompts of its
+own (seed 0, 1, ...: none in the server's prefix cache from an earlier round), each pair's ratio
+and their median printed: on a shared machine whose speed moves 10-20 % from one minute to the
+next, one pair's ratio says more about the minute than about serving.
 
     python benchmarks/served_vs_inprocess.py [--dtype float32] [--num-requests 48] [--skip-peers] [--rounds N]
 """
@@ -20,6 +20,7 @@ about the minute than about serving.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import subprocess
@@ -51,7 +52,10 @@ def in_process(loaded, dtype: str, requests) -> float:
     tokens = 0
     while engine.has_unfinished():
         tokens += sum(len(out.new_token_ids) for out in engine.step())
-    return tokens / (time.perf_counter() - t0)
+    tok_s = tokens / (time.perf_counter() - t0)
+    del engine
+    gc.collect()  # this round's engine and KV cache go before the next round's
+    return tok_s
 
 
 def served(base_url: str, num_requests: int, seed: int) -> float:

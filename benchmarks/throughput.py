@@ -254,10 +254,8 @@ def matmul_bound(linears: list[PackedLinear], steps: list[tuple[int, int]], devi
     streamed from memory once per step as in a forward: each call set timed (best of 3) over
     MATMUL_GRID rows and interpolated linearly between. As in a step, each call's input is warm (one
     per input width: in a step it is the previous op's output) and its output is let go at once (a
-    fresh input per call and a list keeping every output, hundreds of MB of fresh pages a timing at
-    512 rows, made the same calls 1.02-1.11x slower at 8-512 rows on an AMD EPYC Zen 5). No
-    attention, no elementwise work, no Python: what the engine's wall would be if its matmuls were
-    all it did."""
+    list keeping every output faults in fresh pages as it grows). No attention, no elementwise work,
+    no Python: what the engine's wall would be if its matmuls were all it did."""
     *body, head = linears
     widest = max(max(r, s) for r, s in steps)
     grid = [g for g in MATMUL_GRID if g < widest] + [widest]
@@ -314,21 +312,25 @@ def weight_arrangements(model) -> list[list[torch.Tensor]]:
     """Every weight matrix a forward multiplies by, the (tied) LM head last, in each arrangement a
     system may stream them: as the model holds them and, where its layers have llama's projections,
     with each layer's q/k/v and gate/up as one matrix each, as the engine's lean forward holds them
-    (fewer, larger calls: on an AMD EPYC Zen 5 the model's 211 fp32 matrices took 12-15 ms a pass
-    where the 121 fused ones take about 11)."""
+    (fewer, larger calls: on an AMD EPYC Zen 5 the model's 211 fp32 matrices took 9.3-9.5 ms a pass
+    where its 121 fused ones took 8.2-8.5). The fused arrangement only where it holds every weight
+    of the other (no layer with projections beyond these)."""
     head = model.get_input_embeddings().weight
     as_held = [m.weight for m in model.model.modules() if isinstance(m, torch.nn.Linear)] + [head]
     names = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("gate_proj", "up_proj", "down_proj")}
-    layers = model.model.layers
-    if not all(hasattr(getattr(layer, part, None), name) for layer in layers for part, group in names.items()
-               for name in group):
+    layers = getattr(model.model, "layers", [])
+    if not layers or not all(hasattr(getattr(layer, part, None), name) for layer in layers
+                             for part, group in names.items() for name in group):
         return [as_held]
     fused = []
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
         fused += [torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]), attn.o_proj.weight,
                   torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), mlp.down_proj.weight]
-    return [as_held, fused + [head]]
+    fused.append(head)
+    if sum(w.numel() for w in fused) != sum(w.numel() for w in as_held):
+        return [as_held]
+    return [as_held, fused]
 
 
 def weight_pass_seconds(loaded) -> float:
@@ -342,7 +344,7 @@ def weight_pass_seconds(loaded) -> float:
             inputs = [torch.randn(1, m.shape[1], dtype=loaded.dtype, device=dev) for m in matrices]
             for calls in zip(*(matmul_calls(m) for m in matrices)):  # each way, for every matrix
 
-                def one_pass(calls=calls) -> None:
+                def one_pass() -> None:
                     for x, call in zip(inputs, calls):
                         call(x)
 
