@@ -291,6 +291,7 @@ def attention_bound(loaded, kernels, decode: list[tuple[int, int]], block_size: 
     contexts = [total // rows for rows, total in decode]
     widths = [-(-ctx // block_size) for ctx in contexts]
     blocks = max(rows * width for (rows, _), width in zip(decode, widths))
+    scale = kernel_scale(None, spec.head_dim)
     gen = torch.Generator().manual_seed(0)
     caches = [tuple(torch.randn(spec.num_kv_heads, blocks * block_size, spec.head_dim, generator=gen).to(spec.dtype)
                     for _ in range(2)) for _ in range(spec.num_layers)]
@@ -302,7 +303,7 @@ def attention_bound(loaded, kernels, decode: list[tuple[int, int]], block_size: 
         out = torch.empty_like(q)
         start = time.perf_counter()
         for k_cache, v_cache in caches:
-            kernels.paged_attend(q, k_cache, v_cache, tables, ctx_lens, block_size, kernel_scale(None, spec.head_dim), out)
+            kernels.paged_attend(q, k_cache, v_cache, tables, ctx_lens, block_size, scale, out)
         seconds += time.perf_counter() - start
     tokens = sum(rows * ctx for (rows, _), ctx in zip(decode, contexts))
     return seconds, tokens * spec.bytes_per_token / 1e9

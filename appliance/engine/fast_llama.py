@@ -15,8 +15,8 @@ runs that many rows unpacked where BLAS wins by PLAIN_MARGIN (`plain_rows`). Wit
 in float32 (and bfloat16 where the CPU has AVX512-BF16) each weight gets a second packed copy
 for the kernels' own GEMM, which the forward times against oneDNN's once a process, on every
 layer's gate/up weight streamed as a step streams them, and uses up to the most rows where it won
-(within OWN_MARGIN; `own_rows`: 64-256 on an AMD EPYC with AVX2, where it runs a decode step's matmuls 1.2-1.6x
-faster; in fp32 128 on an Intel Xeon with AVX-512, 1.3-1.5x at 16-64 rows, where one hot weight
+within OWN_MARGIN (`own_rows`: 64-256 on an AMD EPYC with AVX2, where it runs a decode step's
+matmuls 1.2-1.6x faster; in fp32 128 on an Intel Xeon with AVX-512, 1.3-1.5x at 16-64 rows, where one hot weight
 timed alone had made it a coin toss from 16 rows on; in bf16 1 there, 1.3x, AMX's far ahead
 from 16 rows; in bf16 512 on an AMD EPYC Zen 5). Where every matmul of a step takes the own GEMM
 and the attention kernel takes every row, the layers run in one C call (`decoder_layers`: the
