@@ -19,7 +19,9 @@ cold, run well under the hot 512-row rate) and the rest of the engine's; and wha
 attention alone costs (`attention_bound`: the C kernel at each step's decode rows and context,
 every layer's cache cold), which the ceiling leaves out: matmuls and attention timed alone are
 what this engine's design costs on the machine before any Python or elementwise work (timed apart
-from the run, on a shared machine, the two can come out above the run's own wall).
+from the run, on a shared machine, the two can come out above the run's own wall). The attention
+is timed again with each row's blocks contiguous in the cache instead of scattered: what the
+cache's layout costs.
 
     python benchmarks/throughput.py [--dtype float32] [--also-bf16] [--skip-peers] [--num-threads N]
 """
@@ -280,12 +282,15 @@ def matmul_bound(linears: list[PackedLinear], steps: list[tuple[int, int]], devi
     return float(np.interp(forwarded, at, [0.0, *body_s]).sum() + np.interp(sampled, at, [0.0, *head_s]).sum())
 
 
-def attention_bound(loaded, kernels, decode: list[tuple[int, int]], block_size: int) -> tuple[float, float]:
+def attention_bound(loaded, kernels, decode: list[tuple[int, int]], block_size: int,
+                    contiguous: bool = False) -> tuple[float, float]:
     """(seconds, GB read) of the C attention kernel (`kernels`) alone at the run's decode rows, each
     of `decode`'s steps ((decode rows, their summed context)) attended in every layer, each row at
-    the step's mean context, its blocks scattered over a cache as large as the largest step needs,
-    every layer's cache in turn (cold, as in a step). Decode attention reads every key and value of
-    every row's context once, in any system with this cache's dtype. Prefill rows are left out."""
+    the step's mean context, its blocks scattered over a cache as large as the largest step needs
+    (or, `contiguous`, each row's blocks one after another, as an allocator that kept a sequence's
+    blocks together would lay them out), every layer's cache in turn (cold, as in a step). Decode
+    attention reads every key and value of every row's context once, in any system with this
+    cache's dtype. Prefill rows are left out."""
     spec = kv_cache_spec(loaded)
     heads = loaded.model.config.num_attention_heads
     contexts = [total // rows for rows, total in decode]
@@ -297,7 +302,8 @@ def attention_bound(loaded, kernels, decode: list[tuple[int, int]], block_size: 
                     for _ in range(2)) for _ in range(spec.num_layers)]
     seconds = 0.0
     for (rows, _), ctx, width in zip(decode, contexts, widths):
-        tables = torch.randperm(blocks, generator=gen)[: rows * width].view(rows, width).contiguous()
+        order = torch.arange(blocks) if contiguous else torch.randperm(blocks, generator=gen)
+        tables = order[: rows * width].view(rows, width).contiguous()
         ctx_lens = torch.full((rows,), ctx, dtype=torch.int64)
         q = torch.randn(rows, heads, spec.head_dim, generator=gen).to(spec.dtype)
         out = torch.empty_like(q)
@@ -445,6 +451,10 @@ def main() -> None:
                       f"layer's cache cold, reads {gb:.1f} GB in {attn_s:.1f} s ({gb / attn_s:.0f} GB/s); matmuls and "
                       f"it alone take {alone:.1f} s ({tokens / alone:.0f} tok/s = {100 * tokens / alone / ceiling:.0f} % "
                       f"of the ceiling), {100 * alone / rows[0]['wall_s']:.0f} % of the engine's wall", flush=True)
+                together_s, _ = attention_bound(loaded, rows[0]["attention_kernel"], rows[0]["decode"],
+                                                rows[0]["block_size"], contiguous=True)
+                print(f"decode attention alone with each row's blocks contiguous instead of scattered: "
+                      f"{together_s:.1f} s ({gb / together_s:.0f} GB/s, {attn_s / together_s:.2f}x as fast)", flush=True)
         for batch, ctx in ((64, 160), (1, 160)):
             eng, bare = efficiency(loaded, batch, ctx)
             print(f"efficiency at batch {batch}, context {ctx}: engine {eng:.1f} tok/s vs bare forward "
