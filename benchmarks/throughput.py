@@ -6,22 +6,22 @@
 4. transformers' own continuous batching (`ContinuousBatchingManager`, sdpa, 64-token pages)
 
 Every request arrives at t=0 and generates exactly its `output_len` tokens (EOS ignored, greedy).
-Output tok/s counts only each request's own forced tokens. Then the engine's efficiency: its
-decode tok/s at a full batch against a bare batched forward of the same model at the same batch
-size and context (transformers DynamicCache, no scheduler), and the ceiling no system can pass
-here with these matmul kernels (see `throughput_ceiling`): prefill FLOPs at the best measured GEMM
-rate plus, per decode step, the larger of its FLOPs and one batch-1 pass over the weights; the
-kernels are timed right before and right after the engine's continuous run, and the faster timing
-sets the ceiling. Last, what the engine's own matmuls alone cost (`matmul_bound`): its matmul
-calls timed at the rows each of its steps ran, weights streamed from memory as in a step, which
-splits the gap to the ceiling into the kernels' share (a step's matmuls at tens of rows, weights
-cold, run well under the hot 512-row rate) and the rest of the engine's; and what its decode
-attention alone costs (`attention_bound`: the C kernel at each step's decode rows and context,
-every layer's cache cold), which the ceiling leaves out: matmuls and attention timed alone are
-what this engine's design costs on the machine before any Python or elementwise work (timed apart
-from the run, on a shared machine, the two can come out above the run's own wall). The attention
-is timed again with each row's blocks contiguous in the cache instead of scattered: what the
-cache's layout costs.
+Output tok/s counts only each request's own forced tokens. Then the engine's efficiency: its decode
+tok/s at a full batch against a bare batched forward of the same model at the same batch size and
+context (transformers DynamicCache, no scheduler), and the ceiling no system can pass here with
+these matmul kernels (see `throughput_ceiling`): prefill FLOPs at the best measured GEMM rate plus,
+per decode step, the larger of its FLOPs and one batch-1 pass over the weights; the kernels are
+timed right before and right after the engine's continuous run and once more after the last
+system's run, and the fastest timing sets the ceiling. Last, what the engine's own matmuls alone
+cost (`matmul_bound`): its matmul calls timed at the rows each of its steps ran, weights streamed
+from memory as in a step, which splits the gap to the ceiling into the kernels' share (a step's
+matmuls at tens of rows, weights cold, run well under the hot 512-row rate) and the rest of the
+engine's; and what its decode attention alone costs (`attention_bound`: the C kernel at each step's
+decode rows and context, every layer's cache cold), which the ceiling leaves out: matmuls and
+attention timed alone are what this engine's design costs on the machine before any Python or
+elementwise work (timed apart from the run, on a shared machine, the two can come out above the
+run's own wall). The attention is timed again with each row's blocks contiguous in the cache
+instead of scattered: what the cache's layout costs.
 
     python benchmarks/throughput.py [--dtype float32] [--also-bf16] [--skip-peers] [--num-threads N]
 """
@@ -222,8 +222,9 @@ def kernel_speed(loaded) -> tuple[float, float]:
 
 def throughput_ceiling(loaded, requests, speeds: list[tuple[float, float]]) -> tuple[float, str]:
     """The output tok/s no system built on this machine's matmul kernels could beat, and how, from
-    the fastest of `speeds` (kernel_speed timed right before and right after the engine's run: a
-    slow spell of a shared machine during one timing does not lower the ceiling).
+    the fastest of `speeds` (kernel_speed timed right before and right after the engine's run and
+    after the last run: a slow spell of a shared machine during one timing does not lower the
+    ceiling).
 
     All prompts must be prefilled (their matmul FLOPs at the best measured GEMM rate), and decode
     step i (1..longest output) carries every request with output_len >= i: it costs at least its
@@ -242,7 +243,7 @@ def throughput_ceiling(loaded, requests, speeds: list[tuple[float, float]]) -> t
     timed = " and ".join(f"{r / 1e9:.0f} GFLOP/s, {1000 * w:.0f} ms" for r, w in speeds)
     how = (f"ceiling: prefill {prefill:.1f} s + {max(lengths)} decode steps {decode:.1f} s at the best GEMM "
            f"rate {rate / 1e9:.0f} GFLOP/s and a batch-1 pass over the weights in {1000 * weights_step:.0f} ms "
-           f"(timed before and after the engine's run: {timed}) "
+           f"(timed before and after the engine's run and after the last run: {timed}) "
            f"= at most {ceiling:.0f} output tok/s in {str(loaded.dtype).split('.')[-1]} on this machine")
     return ceiling, how
 
@@ -432,6 +433,7 @@ def main() -> None:
             print(row_line(rows[-1], rows[0]), flush=True)
             if len(rows) == 1:
                 speeds.append(kernel_speed(loaded))
+        speeds.append(kernel_speed(loaded))
         ceiling, how = throughput_ceiling(loaded, requests, speeds)
         print(how, flush=True)
         print(f"engine continuous reaches {100 * rows[0]['tok_s'] / ceiling:.0f} % of that ceiling", flush=True)
