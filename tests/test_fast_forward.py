@@ -103,15 +103,20 @@ HALF = (fast_llama.OWN_MARGIN - 1) / 2
 WIN, CLOSE_WIN, LOSS = [1.0, 2.0], [1 + HALF, 1.0], [fast_llama.OWN_MARGIN + HALF, 1.0]  # (own, replaced) per timing
 
 
+LOST_COUNT = [LOSS, LOSS]  # a count's timing and its second timing, both lost
+
+
 @pytest.mark.parametrize("timings, wins", [
-    ([WIN, WIN, CLOSE_WIN, LOSS, LOSS], 3),  # slower by half the margin still wins: the one-call path is worth that
-    ([WIN, LOSS, WIN, LOSS, LOSS], 2),  # a loss timed again: the second timing's win counts
-    ([[fast_llama.OWN_MARGIN, 1.0], LOSS, LOSS], 1),  # slower by exactly the margin: a win
+    ([WIN, WIN, CLOSE_WIN, *LOST_COUNT, *LOST_COUNT], 3),  # slower by half the margin still wins: the one-call path is worth that
+    ([WIN, LOSS, WIN, *LOST_COUNT, *LOST_COUNT], 2),  # a loss timed again: the second timing's win counts
+    ([[fast_llama.OWN_MARGIN, 1.0], *LOST_COUNT, *LOST_COUNT], 1),  # slower by exactly the margin: a win
     ([WIN] * len(fast_llama.OWN_ROWS_TRIED), len(fast_llama.OWN_ROWS_TRIED)),  # won at every count
-    ([LOSS, LOSS], 0),  # lost at the first count, twice: none
+    ([*LOST_COUNT, *LOST_COUNT], 0),  # lost at the first two counts: none
+    ([WIN, *LOST_COUNT, WIN, *LOST_COUNT, *LOST_COUNT], 3),  # one lost count between two won ones: a slow spell
+    ([WIN, *LOST_COUNT, *LOST_COUNT], 1),  # lost at two counts in a row: the count stops there
 ])
 def test_own_rows_count_up_while_the_own_gemm_wins(kernel, timings, wins):
-    times = [t for pair in timings for t in pair]  # after two losses at one count the rest are not tried
+    times = [t for pair in timings for t in pair]  # after two lost counts in a row the rest are not tried
     rows = fast_llama.OWN_ROWS_TRIED[wins - 1] if wins else 0
     linear = fast_llama.PackedLinear(torch.randn(64, 32), kernels=kernel)
     clock = iter(times)

@@ -130,32 +130,41 @@ OWN_ROWS_TRIED = (1, 4, 8, 16, 32, 64, 128, 256, 512)
 # also lets a step's layers run as one C call (decoder_layers), which the matmuls' timing does not
 # see (fp32 on an AMD EPYC Zen 5: own and oneDNN even at 512 rows, and skewed-64's run 1.03x faster
 # with the 512-row prefill chunks in one call than through the Python loop and oneDNN). A loss is
-# timed twice before the count stops: at 512 rows one timing of a fresh server lost by more than
-# the margin where six fresh processes' timings had the own GEMM 1-8 % ahead. The margin also
+# timed twice (at 512 rows one timing of a fresh server lost by more than the margin where six
+# fresh processes' timings had the own GEMM 1-8 % ahead), and the count goes on past one lost
+# count: of three servers started at once on one 2-core box, loading side by side, one lost 4 rows
+# twice and kept oneDNN and the Python layer loop from 2 rows on for its whole life (skewed-48
+# served at 364-436 tok/s against 416-534 by its two neighbours, which timed 512). The margin also
 # reaches the matmuls outside the one call (the LM head, steps the Python loop runs): at most 5 %.
 OWN_MARGIN = 1.05
+OWN_LOST_COUNTS = 2  # lost row counts in a row that end the count
 
 
 def faster_own_rows(linears: Sequence[PackedLinear],
                     timed: Callable[[Sequence[Callable[[], object]]], list[float]] | None = None) -> int:
-    """The most rows (of OWN_ROWS_TRIED, counting up while it keeps winning) at which the C
-    kernels' GEMM took at most OWN_MARGIN times the call it replaces (oneDNN's packed matmul, or
-    F.linear where nothing is packed), in its timing or, after a loss, in a second one, over one
-    pass of `linears` (of one shape class, e.g. every layer's gate/up: each weight streamed from
-    memory as a step streams it, where one weight timed again and again sits in cache and tells a
-    different story; each with the kernels' packed copy), `timed` now in this thread."""
+    """The most rows (of OWN_ROWS_TRIED, counting up until OWN_LOST_COUNTS counts in a row are
+    lost) at which the C kernels' GEMM took at most OWN_MARGIN times the call it replaces (oneDNN's
+    packed matmul, or F.linear where nothing is packed), in its timing or, after a loss, in a
+    second one, over one pass of `linears` (of one shape class, e.g. every layer's gate/up: each
+    weight streamed from memory as a step streams it, where one weight timed again and again sits
+    in cache and tells a different story; each with the kernels' packed copy), `timed` now in this
+    thread. A count lost between two won ones is taken as a slow spell of the machine: the own
+    GEMM runs it too."""
     timed = timed or functools.partial(best_times, repeats=3, calls=1)  # 512 rows: 0.05-0.25 s a pass
     others = [linear.onednn_matmul if linear.packed is not None else functools.partial(F.linear, weight=linear.weight)
               for linear in linears]
-    rows_won = 0
+    rows_won, lost = 0, 0
     with torch.inference_mode():
         for rows in OWN_ROWS_TRIED:
             xs = [torch.randn(rows, linear.weight.shape[1], dtype=linear.weight.dtype) for linear in linears]
             calls = [lambda: [lin.kernels.gemm(x, lin.own, lin.weight.shape[0]) for x, lin in zip(xs, linears)],
                      lambda: [other(x) for x, other in zip(xs, others)]]
-            if not any(own <= OWN_MARGIN * replaced for own, replaced in (timed(calls) for _ in range(2))):
-                break
-            rows_won = rows
+            if any(own <= OWN_MARGIN * replaced for own, replaced in (timed(calls) for _ in range(2))):
+                rows_won, lost = rows, 0
+            else:
+                lost += 1
+                if lost == OWN_LOST_COUNTS:
+                    break
     return rows_won
 
 
