@@ -240,7 +240,7 @@ def throughput_ceiling(loaded, requests, speeds: list[tuple[float, float]]) -> t
     lengths = [r["output_len"] for r in requests]
     decode = sum(max(sum(n >= i for n in lengths) * per_token, weights_step) for i in range(1, max(lengths) + 1))
     ceiling = sum(lengths) / (prefill + decode)
-    timed = " and ".join(f"{r / 1e9:.0f} GFLOP/s, {1000 * w:.0f} ms" for r, w in speeds)
+    timed = "; ".join(f"{r / 1e9:.0f} GFLOP/s, {1000 * w:.0f} ms" for r, w in speeds)
     how = (f"ceiling: prefill {prefill:.1f} s + {max(lengths)} decode steps {decode:.1f} s at the best GEMM "
            f"rate {rate / 1e9:.0f} GFLOP/s and a batch-1 pass over the weights in {1000 * weights_step:.0f} ms "
            f"(timed before and after the engine's run and after the last run: {timed}) "
@@ -285,13 +285,13 @@ def matmul_bound(linears: list[PackedLinear], steps: list[tuple[int, int]], devi
 
 def attention_bound(loaded, kernels, decode: list[tuple[int, int]], block_size: int,
                     contiguous: bool = False) -> tuple[float, float]:
-    """(seconds, GB read) of the C attention kernel (`kernels`) alone at the run's decode rows, each
-    of `decode`'s steps ((decode rows, their summed context)) attended in every layer, each row at
-    the step's mean context, its blocks scattered over a cache as large as the largest step needs
-    (or, `contiguous`, each row's blocks one after another, as an allocator that kept a sequence's
-    blocks together would lay them out), every layer's cache in turn (cold, as in a step). Decode
-    attention reads every key and value of every row's context once, in any system with this
-    cache's dtype. Prefill rows are left out."""
+    """(seconds, GB read) of the C attention kernel (`kernels`) alone at the run's decode rows,
+    each of `decode`'s steps ((decode rows, their summed context)) attended in every layer, each
+    row at the step's mean context, its blocks scattered over a cache as large as the largest
+    step needs (or, `contiguous`, each row's blocks one after another from a random place, as an
+    allocator that kept a sequence's blocks together would lay them out), every layer's cache in
+    turn (cold, as in a step). Decode attention reads every key and value of every row's context
+    once, in any system with this cache's dtype. Prefill rows are left out."""
     spec = kv_cache_spec(loaded)
     heads = loaded.model.config.num_attention_heads
     contexts = [total // rows for rows, total in decode]
@@ -303,8 +303,11 @@ def attention_bound(loaded, kernels, decode: list[tuple[int, int]], block_size: 
                     for _ in range(2)) for _ in range(spec.num_layers)]
     seconds = 0.0
     for (rows, _), ctx, width in zip(decode, contexts, widths):
-        order = torch.arange(blocks) if contiguous else torch.randperm(blocks, generator=gen)
-        tables = order[: rows * width].view(rows, width).contiguous()
+        if contiguous:  # each row's run of blocks placed at random, fresh blocks every step
+            starts = torch.randperm(blocks // width, generator=gen)[:rows] * width
+            tables = (starts[:, None] + torch.arange(width)).contiguous()
+        else:
+            tables = torch.randperm(blocks, generator=gen)[: rows * width].view(rows, width).contiguous()
         ctx_lens = torch.full((rows,), ctx, dtype=torch.int64)
         q = torch.randn(rows, heads, spec.head_dim, generator=gen).to(spec.dtype)
         out = torch.empty_like(q)
@@ -456,7 +459,8 @@ def main() -> None:
                 together_s, _ = attention_bound(loaded, rows[0]["attention_kernel"], rows[0]["decode"],
                                                 rows[0]["block_size"], contiguous=True)
                 print(f"decode attention alone with each row's blocks contiguous instead of scattered: "
-                      f"{together_s:.1f} s ({gb / together_s:.0f} GB/s, {attn_s / together_s:.2f}x as fast)", flush=True)
+                      f"{together_s:.2f} s against {attn_s:.2f} s ({gb / together_s:.0f} GB/s, "
+                      f"{attn_s / together_s:.2f}x as fast)", flush=True)
         for batch, ctx in ((64, 160), (1, 160)):
             eng, bare = efficiency(loaded, batch, ctx)
             print(f"efficiency at batch {batch}, context {ctx}: engine {eng:.1f} tok/s vs bare forward "

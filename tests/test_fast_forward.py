@@ -104,20 +104,23 @@ WIN, CLOSE_WIN, LOSS = [1.0, 2.0], [1 + HALF, 1.0], [fast_llama.OWN_MARGIN + HAL
 
 
 LOST_COUNT = [LOSS, LOSS]  # a count's timing and its second timing, both lost
+ALL = len(fast_llama.OWN_ROWS_TRIED)
 
 
-@pytest.mark.parametrize("timings, wins", [
-    ([WIN, WIN, CLOSE_WIN, *LOST_COUNT, *LOST_COUNT], 3),  # slower by half the margin still wins: the one-call path is worth that
+@pytest.mark.parametrize("timings, last_won", [  # last_won: 1-based index in OWN_ROWS_TRIED, 0 for none
+    ([WIN, WIN, CLOSE_WIN, *LOST_COUNT, *LOST_COUNT], 3),  # slower by half the margin wins: the one call is worth that
     ([WIN, LOSS, WIN, *LOST_COUNT, *LOST_COUNT], 2),  # a loss timed again: the second timing's win counts
     ([[fast_llama.OWN_MARGIN, 1.0], *LOST_COUNT, *LOST_COUNT], 1),  # slower by exactly the margin: a win
-    ([WIN] * len(fast_llama.OWN_ROWS_TRIED), len(fast_llama.OWN_ROWS_TRIED)),  # won at every count
+    ([WIN] * ALL, ALL),  # won at every count
+    ([WIN] * (ALL - 1) + LOST_COUNT, ALL - 1),  # lost at the last count only
     ([*LOST_COUNT, *LOST_COUNT], 0),  # lost at the first two counts: none
-    ([WIN, *LOST_COUNT, WIN, *LOST_COUNT, *LOST_COUNT], 3),  # one lost count between two won ones: a slow spell
-    ([WIN, *LOST_COUNT, *LOST_COUNT], 1),  # lost at two counts in a row: the count stops there
+    ([WIN, *LOST_COUNT, WIN, WIN, *LOST_COUNT, *LOST_COUNT], 3),  # count 2 wins when timed after count 3: a slow spell
+    ([WIN, *LOST_COUNT, WIN, *LOST_COUNT], 1),  # count 2 loses again after count 3 won: the count stops before it
+    ([WIN, *LOST_COUNT, LOSS, WIN, WIN, *LOST_COUNT, *LOST_COUNT], 3),  # count 3 won at its second timing
 ])
-def test_own_rows_count_up_while_the_own_gemm_wins(kernel, timings, wins):
-    times = [t for pair in timings for t in pair]  # after two lost counts in a row the rest are not tried
-    rows = fast_llama.OWN_ROWS_TRIED[wins - 1] if wins else 0
+def test_own_rows_is_the_last_count_won_past_a_slow_spell(kernel, timings, last_won):
+    times = [t for pair in timings for t in pair]  # once the count stops the rest are not tried
+    rows = fast_llama.OWN_ROWS_TRIED[last_won - 1] if last_won else 0
     linear = fast_llama.PackedLinear(torch.randn(64, 32), kernels=kernel)
     clock = iter(times)
 

@@ -131,40 +131,46 @@ OWN_ROWS_TRIED = (1, 4, 8, 16, 32, 64, 128, 256, 512)
 # see (fp32 on an AMD EPYC Zen 5: own and oneDNN even at 512 rows, and skewed-64's run 1.03x faster
 # with the 512-row prefill chunks in one call than through the Python loop and oneDNN). A loss is
 # timed twice (at 512 rows one timing of a fresh server lost by more than the margin where six
-# fresh processes' timings had the own GEMM 1-8 % ahead), and the count goes on past one lost
-# count: of three servers started at once on one 2-core box, loading side by side, one lost 4 rows
-# twice and kept oneDNN and the Python layer loop from 2 rows on for its whole life (skewed-48
-# served at 364-436 tok/s against 416-534 by its two neighbours, which timed 512). The margin also
-# reaches the matmuls outside the one call (the LM head, steps the Python loop runs): at most 5 %.
+# fresh processes' timings had the own GEMM 1-8 % ahead), and a count lost twice is timed again
+# once the next count has won: of three servers started at once on one 2-core box, loading side
+# by side, one lost 4 rows twice and kept oneDNN and the Python layer loop from 2 rows on for its
+# whole life (skewed-48 served at 364-436 tok/s against 416-534 by its two neighbours, which timed
+# 512). The margin also reaches the matmuls outside the one call (the LM head, steps the Python
+# loop runs): at most 5 %.
 OWN_MARGIN = 1.05
-OWN_LOST_COUNTS = 2  # lost row counts in a row that end the count
 
 
 def faster_own_rows(linears: Sequence[PackedLinear],
                     timed: Callable[[Sequence[Callable[[], object]]], list[float]] | None = None) -> int:
-    """The most rows (of OWN_ROWS_TRIED, counting up until OWN_LOST_COUNTS counts in a row are
-    lost) at which the C kernels' GEMM took at most OWN_MARGIN times the call it replaces (oneDNN's
-    packed matmul, or F.linear where nothing is packed), in its timing or, after a loss, in a
-    second one, over one pass of `linears` (of one shape class, e.g. every layer's gate/up: each
-    weight streamed from memory as a step streams it, where one weight timed again and again sits
-    in cache and tells a different story; each with the kernels' packed copy), `timed` now in this
-    thread. A count lost between two won ones is taken as a slow spell of the machine: the own
-    GEMM runs it too."""
+    """The most rows (of OWN_ROWS_TRIED, counting up) at which the C kernels' GEMM took at most
+    OWN_MARGIN times the call it replaces (oneDNN's packed matmul, or F.linear where nothing is
+    packed), in its timing or, after a loss, in a second one, over one pass of `linears` (of one
+    shape class, e.g. every layer's gate/up: each weight streamed from memory as a step streams it,
+    where one weight timed again and again sits in cache and tells a different story; each with the
+    kernels' packed copy), `timed` now in this thread. The count stops at two lost counts in a row,
+    or at a lost count that loses again when timed after the next count won; one that wins then was
+    a slow spell of the machine (other processes loading beside this one), not the own GEMM's."""
     timed = timed or functools.partial(best_times, repeats=3, calls=1)  # 512 rows: 0.05-0.25 s a pass
     others = [linear.onednn_matmul if linear.packed is not None else functools.partial(F.linear, weight=linear.weight)
               for linear in linears]
-    rows_won, lost = 0, 0
+
+    def won(rows: int) -> bool:
+        xs = [torch.randn(rows, linear.weight.shape[1], dtype=linear.weight.dtype) for linear in linears]
+        calls = [lambda: [lin.kernels.gemm(x, lin.own, lin.weight.shape[0]) for x, lin in zip(xs, linears)],
+                 lambda: [other(x) for x, other in zip(xs, others)]]
+        return any(own <= OWN_MARGIN * replaced for own, replaced in (timed(calls) for _ in range(2)))
+
+    rows_won, lost = 0, None  # lost: the count lost since the last won one
     with torch.inference_mode():
         for rows in OWN_ROWS_TRIED:
-            xs = [torch.randn(rows, linear.weight.shape[1], dtype=linear.weight.dtype) for linear in linears]
-            calls = [lambda: [lin.kernels.gemm(x, lin.own, lin.weight.shape[0]) for x, lin in zip(xs, linears)],
-                     lambda: [other(x) for x, other in zip(xs, others)]]
-            if any(own <= OWN_MARGIN * replaced for own, replaced in (timed(calls) for _ in range(2))):
-                rows_won, lost = rows, 0
-            else:
-                lost += 1
-                if lost == OWN_LOST_COUNTS:
+            if not won(rows):
+                if lost is not None:
                     break
+                lost = rows
+            elif lost is not None and not won(lost):
+                break
+            else:
+                rows_won, lost = rows, None
     return rows_won
 
 
@@ -276,8 +282,8 @@ class FastLlamaForward:
         for linear in self.linears():
             linear.plain_rows = self.plain_rows
         if self.own_rows:
-            log.info("matmuls of at most %d rows run through the C kernels' GEMM (at most %.2fx oneDNN's time on this CPU)",
-                     self.own_rows, OWN_MARGIN)
+            log.info("matmuls of at most %d rows run through the C kernels' GEMM (the last row count where it took "
+                     "at most %.2fx oneDNN's time on this CPU)", self.own_rows, OWN_MARGIN)
         if self.plain_rows:
             log.info("matmuls of at most %d row(s) run unpacked (BLAS beat the packed call on this CPU)",
                      self.plain_rows)

@@ -47,9 +47,9 @@ def rebuild(conn: Connection, lo: int, hi: int, replica_id: str | None = None) -
 @functools.cache
 def _rebuild_statements(dialect_name: str, one_replica: bool) -> tuple[Delete, Insert]:
     """`rebuild`'s delete and insert-from-select, with the seconds (`lo`, `hi`) and the replica
-    (`replica_id`) as bound parameters, built once per dialect: built afresh, their aggregates made
-    a telemetry write round's Python cost four times over (about 1 ms a round, on the writer's
-    thread, beside the engine's)."""
+    (`replica_id`) as bound parameters, built once per dialect and scope (one replica or all): built
+    afresh each round, their aggregates made a telemetry write round's Python cost four times over
+    (about 1 ms a round, on the writer's thread, beside the engine's)."""
     it = Iteration.__table__
     ru = iteration_rollups
     stale = delete(ru).where(ru.c.second >= bindparam("lo"), ru.c.second < bindparam("hi"))
