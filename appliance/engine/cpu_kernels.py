@@ -14,7 +14,8 @@ cached per source, flags and CPU, loaded with ctypes.
   beats oneDNN's packed matmul, on some CPUs up to a 512-row prefill chunk (the lean forward
   times the two and uses it where it wins).
 - `decoder_layers` (csrc/decoder_layers.c) runs every decoder layer of a step through the kernels
-  above in one call, where the lean forward would call them one by one from Python.
+  above in one call and one OpenMP parallel region, where the lean forward would call them one by
+  one from Python, each with a team of its own.
 
 Optional: without a compiler, or if the build fails, `load()` returns None and the engine keeps
 its torch paths (same results up to float rounding; both are tested).
@@ -89,7 +90,7 @@ class CpuKernels:
                 fn = self._gemms[dtype] = getattr(lib, f"gemm_{suffix}")
                 fn.argtypes, fn.restype = _GEMM_SIGNATURE, None
                 fn = self._layers[dtype] = getattr(lib, f"decoder_layers_{suffix}")
-                fn.argtypes, fn.restype = _LAYERS_SIGNATURE, None
+                fn.argtypes, fn.restype = _LAYERS_SIGNATURE, ctypes.c_int
         self._fns: dict[tuple[str, torch.dtype], ctypes._CFuncPtr] = {}
         for name, argtypes in _SIGNATURES.items():
             for dtype, suffix in _SUFFIX.items():
@@ -180,11 +181,13 @@ class CpuKernels:
         assert eps.dtype == torch.float32 and work.dtype == h.dtype and work.numel() >= shape.work_size(rows, hidden)
         assert slot_mapping.shape == ctx_lens.shape == (rows,) and block_tables.shape[0] == rows
         assert cos.shape == sin.shape == (rows, shape.head_dim)
-        self._layers[h.dtype](
+        failed = self._layers[h.dtype](
             h.data_ptr(), rows, hidden, layers.shape[0], layers.data_ptr(), eps.data_ptr(), shape.heads, shape.kv_heads,
             shape.head_dim, shape.inter, cos.data_ptr(), sin.data_ptr(), slot_mapping.data_ptr(), block_tables.data_ptr(),
             block_tables.shape[1], ctx_lens.data_ptr(), cold_rows, block_size, num_slots, scale, work.data_ptr(),
             torch.get_num_threads())
+        if failed:  # its few bytes of plan could not be allocated; h is untouched
+            raise MemoryError("decoder_layers: out of memory for the step's attention plan")
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """transformers' LlamaRMSNorm of each row of x [rows, dim]."""

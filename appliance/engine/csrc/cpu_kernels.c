@@ -396,6 +396,25 @@ static int64_t find_chunk_runs(const int64_t *block_tables, int64_t table_width,
 }
 
 #define CHUNK_TILE_WORDS(D) ((D) / 2 * CHUNK + CHUNK / 2 * (D)) /* 32-bit words: keys, then values */
+
+/* What one paged_attend call's rows need, worked out once before its parallel region (or, in
+ * decoder_layers, once a step for all its layers): the elements read (whether a team pays), the
+ * runs of prefill rows the tiled path takes and their tiles' scratch, and the per-row path's
+ * items, (row, KV head) pairs. */
+typedef struct {
+    chunk_run *runs;
+    uint32_t *run_tiles;
+    int64_t elems, run_count, tile_count, run_items, items;
+} attend_plan;
+
+void attend_plan_free(void *plan_) {
+    attend_plan *plan = plan_;
+    if (!plan) return;
+    free(plan->runs);
+    free(plan->run_tiles);
+    free(plan);
+}
+
 #ifdef __AVX512BF16__
 typedef uint32_t __attribute__((may_alias, aligned(2))) pair_word; /* two bfloat16 read as one word */
 
@@ -506,7 +525,7 @@ static inline __attribute__((always_inline)) void chunk_item_bf16(
         build_tile_bf16(&runs[k], tile - runs[k].first_tile, k_cache + hh * num_slots * head_dim,    \
                         v_cache + hh * num_slots * head_dim, head_dim, block_size, run_tiles + w * CHUNK_TILE_WORDS(head_dim)); \
     }                                                                                                \
-    for (int64_t it = NEXT_ITEM(claimed_run_items); it < run_items; it = NEXT_ITEM(claimed_run_items)) {       \
+    for (int64_t it = NEXT_ITEM(claimed[1]); it < run_items; it = NEXT_ITEM(claimed[1])) {                     \
         int64_t k = 0;                                                                               \
         while (k + 1 < run_count && runs[k + 1].first_item <= it) k++;                               \
         const chunk_run *run = &runs[k];                                                             \
@@ -526,7 +545,10 @@ static inline __attribute__((always_inline)) int tiled_f32(int64_t head_dim) { (
 
 /* One (row, KV head) pair per call of the item function, inlined into a copy per head shape
  * (HEAD_SHAPE_CASES). The switch runs inside the parallel region's loop so that each copy sees
- * its constants. */
+ * its constants. NAME_part is one thread's work inside a parallel region (the items it claims
+ * from `claimed`, two counters starting at 0, then the tiled runs), on a plan NAME_plan made;
+ * NAME makes the plan and runs NAME_part over a team of its own (decoder_layers.c runs it inside
+ * the step's region). */
 #define DEFINE_PAGED_ATTEND(NAME, T, SUFFIX, STORE)                                                  \
     static inline __attribute__((always_inline)) int64_t NAME##_item(                                \
         const T *q, int64_t q_row_stride, int64_t q_head_stride, const T *k_cache, const T *v_cache, \
@@ -618,43 +640,70 @@ static inline __attribute__((always_inline)) int tiled_f32(int64_t head_dim) { (
         }                                                                                            \
         return ahead.token;                                                                          \
     }                                                                                                \
+    static void NAME##_plan_into(attend_plan *plan, const int64_t *block_tables, int64_t table_width, \
+                                 const int64_t *ctx_lens, int64_t rows, int64_t cold_rows, int64_t kv_heads, \
+                                 int64_t head_dim) {                                                 \
+        *plan = (attend_plan){0};                                                                    \
+        for (int64_t i = 0; i < rows; i++) plan->elems += 2 * ctx_lens[i] * kv_heads * head_dim;    \
+        /* the rows after the decode rows, in runs of one sequence, by the tiled path where built */ \
+        if (tiled_##SUFFIX(head_dim) && cold_rows < rows)                                            \
+            plan->runs = malloc((size_t)(rows - cold_rows) * sizeof(chunk_run));                     \
+        plan->run_count = plan->runs ? find_chunk_runs(block_tables, table_width, ctx_lens, cold_rows, rows, kv_heads, plan->runs) : 0; \
+        const chunk_run *last = plan->run_count ? &plan->runs[plan->run_count - 1] : NULL;           \
+        plan->tile_count = last ? last->first_tile + last->tiles : 0;                                \
+        plan->run_items = last ? last->first_item + last->n * kv_heads : 0;                          \
+        if (plan->run_count)                                                                         \
+            plan->run_tiles = malloc((size_t)(plan->tile_count * kv_heads * CHUNK_TILE_WORDS(head_dim)) * sizeof(uint32_t)); \
+        if (!plan->run_tiles) plan->run_count = 0; /* no room for the tiles: every row by the per-row path */ \
+        plan->items = (plan->run_count ? cold_rows : rows) * kv_heads;                               \
+    }                                                                                                \
+    /* NAME_plan_into's plan on the heap, for decoder_layers (NULL where out of memory). */           \
+    void *NAME##_plan(const int64_t *block_tables, int64_t table_width, const int64_t *ctx_lens, int64_t rows,    \
+                      int64_t cold_rows, int64_t kv_heads, int64_t head_dim) {                               \
+        attend_plan *plan = malloc(sizeof *plan);                                                    \
+        if (plan) NAME##_plan_into(plan, block_tables, table_width, ctx_lens, rows, cold_rows, kv_heads, head_dim); \
+        return plan;                                                                                 \
+    }                                                                                                \
+    void NAME##_part(const T *q, int64_t q_row_stride, int64_t q_head_stride, const T *k_cache,      \
+                     const T *v_cache, const int64_t *block_tables, int64_t table_width,            \
+                     const int64_t *ctx_lens, int64_t cold_rows, int64_t num_heads, int64_t kv_heads, \
+                     int64_t head_dim, int64_t block_size, int64_t num_slots, float scale, T *out,   \
+                     const void *plan_, int64_t *claimed) {                                          \
+        const attend_plan *plan = plan_;                                                             \
+        const chunk_run *runs = plan->runs;                                                          \
+        const int64_t run_count = plan->run_count, tile_count = plan->tile_count;                    \
+        const int64_t run_items = plan->run_items, items = plan->items, group = num_heads / kv_heads; \
+        uint32_t *run_tiles = plan->run_tiles;                                                       \
+        const int64_t team = omp_get_num_threads();                                                  \
+        int64_t item = NEXT_ITEM(claimed[0]), warm = 0;                                              \
+        while (item < items) {                                                                       \
+            /* the next item claimed now where it pays: a decode row, many items left */              \
+            const int ahead = item / kv_heads < cold_rows && items - item > 2 * team;                \
+            const int64_t after = ahead ? NEXT_ITEM(claimed[0]) : -1, next = after < items ? after : -1; \
+            switch (HEAD_SHAPE(head_dim, group)) {                                                   \
+            HEAD_SHAPE_CASES(PAGED_ATTEND_CASE, NAME)                                                \
+            default:                                                                                 \
+                warm = NAME##_item(q, q_row_stride, q_head_stride, k_cache, v_cache, block_tables, table_width, \
+                                   ctx_lens, cold_rows, kv_heads, head_dim, group, block_size, num_slots, scale, \
+                                   out, item, next, warm);                                           \
+            }                                                                                        \
+            item = ahead ? after : NEXT_ITEM(claimed[0]);                                            \
+        }                                                                                            \
+        if (run_count) { CHUNK_PHASES_##SUFFIX }                                                     \
+    }                                                                                                \
     void NAME(const T *q, int64_t q_row_stride, int64_t q_head_stride, const T *k_cache,             \
               const T *v_cache, const int64_t *block_tables, int64_t table_width,                   \
               const int64_t *ctx_lens, int64_t rows, int64_t cold_rows, int64_t num_heads, int64_t kv_heads, \
               int64_t head_dim, int64_t block_size, int64_t num_slots, float scale, T *out,          \
               int64_t threads) {                                                                     \
-        int64_t context = 0; /* cached tokens read, over all rows */                                 \
-        for (int64_t i = 0; i < rows; i++) context += ctx_lens[i];                                   \
-        const int64_t elems = 2 * context * kv_heads * head_dim, group = num_heads / kv_heads;       \
-        /* the rows after the decode rows, in runs of one sequence, by the tiled path where built */ \
-        const int tiled = tiled_##SUFFIX(head_dim) && cold_rows < rows;                          \
-        chunk_run *runs = tiled ? malloc((size_t)(rows - cold_rows) * sizeof(chunk_run)) : NULL;   \
-        const int64_t run_count = runs ? find_chunk_runs(block_tables, table_width, ctx_lens, cold_rows, rows, kv_heads, runs) : 0; \
-        const int64_t tile_count = run_count ? runs[run_count - 1].first_tile + runs[run_count - 1].tiles : 0; \
-        const int64_t run_items = run_count ? runs[run_count - 1].first_item + runs[run_count - 1].n * kv_heads : 0; \
-        uint32_t *run_tiles = run_count ? malloc((size_t)(tile_count * kv_heads * CHUNK_TILE_WORDS(head_dim)) * sizeof(uint32_t)) : NULL; \
-        const int64_t items = (run_count && run_tiles ? cold_rows : rows) * kv_heads;              \
-        int64_t claimed = 0, claimed_run_items = 0; /* items handed out so far: dynamic schedules */      \
-        _Pragma("omp parallel if (elems >= PAR_MIN_ELEMS) num_threads(threads)") {                   \
-            const int64_t team = omp_get_num_threads();                                              \
-            int64_t item = NEXT_ITEM(claimed), warm = 0;                                             \
-            while (item < items) {                                                                   \
-                /* the next item claimed now where it pays: a decode row, many items left */          \
-                const int ahead = item / kv_heads < cold_rows && items - item > 2 * team;            \
-                const int64_t after = ahead ? NEXT_ITEM(claimed) : -1, next = after < items ? after : -1; \
-                switch (HEAD_SHAPE(head_dim, group)) {                                               \
-                HEAD_SHAPE_CASES(PAGED_ATTEND_CASE, NAME)                                            \
-                default:                                                                             \
-                    warm = NAME##_item(q, q_row_stride, q_head_stride, k_cache, v_cache, block_tables, table_width, \
-                                       ctx_lens, cold_rows, kv_heads, head_dim, group, block_size, num_slots, scale, \
-                                       out, item, next, warm);                                       \
-                }                                                                                    \
-                item = ahead ? after : NEXT_ITEM(claimed);                                           \
-            }                                                                                        \
-            if (run_count && run_tiles) { CHUNK_PHASES_##SUFFIX }                                  \
-        }                                                                                            \
-        free(runs);                                                                                  \
-        free(run_tiles);                                                                           \
+        attend_plan plan;                                                                            \
+        NAME##_plan_into(&plan, block_tables, table_width, ctx_lens, rows, cold_rows, kv_heads, head_dim); \
+        int64_t claimed[2] = {0, 0}; /* items handed out so far: dynamic schedules */                \
+        _Pragma("omp parallel if (plan.elems >= PAR_MIN_ELEMS) num_threads(threads)")                \
+        NAME##_part(q, q_row_stride, q_head_stride, k_cache, v_cache, block_tables, table_width, ctx_lens, \
+                    cold_rows, num_heads, kv_heads, head_dim, block_size, num_slots, scale, out, &plan, claimed); \
+        free(plan.runs);                                                                             \
+        free(plan.run_tiles);                                                                        \
     }
 
 /* One case of the per-row path's switch (HEAD_SHAPE_CASES). */
@@ -664,74 +713,91 @@ static inline __attribute__((always_inline)) int tiled_f32(int64_t head_dim) { (
                            ctx_lens, cold_rows, kv_heads, D, G, block_size, num_slots, scale, out, item, next, warm); \
         break;
 
+/* Each elementwise kernel below comes as NAME (rows over an OpenMP team of its own, above
+ * PAR_MIN_ELEMS) and NAME_part (thread t of nt's share of the rows, rows * t / nt up to
+ * rows * (t + 1) / nt, for a caller already inside a parallel region: decoder_layers.c), both
+ * through the same per-row function, so that either gives the same bits. */
 /* out = weight * round(x * rsqrt(mean(x^2) + eps)): transformers' LlamaRMSNorm, op for op. */
 #define DEFINE_RMS_NORM(NAME, T, LOAD, STORE, ROUND, SUFFIX)                                         \
-    void NAME(const T *x, const T *weight, float eps, int64_t rows, int64_t dim, T *out,             \
-              int64_t threads) {                                                                     \
-        _Pragma("omp parallel for if (rows * dim >= PAR_MIN_ELEMS) num_threads(threads)")            \
-        for (int64_t r = 0; r < rows; r++) {                                                         \
-            const T *xr = x + r * dim;                                                               \
-            T *o = out + r * dim;                                                                    \
-            const int64_t whole = dim - dim % LANES; /* 16 lanes at a time, then a scalar tail */    \
-            v16f squares = {0};                                                                      \
-            for (int64_t d = 0; d < whole; d += LANES) {                                             \
-                const v16f v = load16_##SUFFIX(xr + d);                                              \
-                squares += v * v;                                                                    \
-            }                                                                                        \
-            float ss = sum16(squares);                                                               \
-            for (int64_t d = whole; d < dim; d++) ss += LOAD(xr[d]) * LOAD(xr[d]);                   \
-            const float inv = 1.f / sqrtf(ss / (float)dim + eps);                                    \
-            for (int64_t d = 0; d < whole; d += LANES)                                               \
-                store16_##SUFFIX(o + d, load16_##SUFFIX(weight + d) * round16_##SUFFIX(load16_##SUFFIX(xr + d) * inv)); \
-            for (int64_t d = whole; d < dim; d++) o[d] = STORE(LOAD(weight[d]) * ROUND(LOAD(xr[d]) * inv)); \
+    static inline __attribute__((always_inline)) void NAME##_row(const T *xr, const T *weight, float eps, \
+                                                                 int64_t dim, T *o) {                \
+        const int64_t whole = dim - dim % LANES; /* 16 lanes at a time, then a scalar tail */        \
+        v16f squares = {0};                                                                          \
+        for (int64_t d = 0; d < whole; d += LANES) {                                                 \
+            const v16f v = load16_##SUFFIX(xr + d);                                                  \
+            squares += v * v;                                                                        \
         }                                                                                            \
+        float ss = sum16(squares);                                                                   \
+        for (int64_t d = whole; d < dim; d++) ss += LOAD(xr[d]) * LOAD(xr[d]);                       \
+        const float inv = 1.f / sqrtf(ss / (float)dim + eps);                                        \
+        for (int64_t d = 0; d < whole; d += LANES)                                                   \
+            store16_##SUFFIX(o + d, load16_##SUFFIX(weight + d) * round16_##SUFFIX(load16_##SUFFIX(xr + d) * inv)); \
+        for (int64_t d = whole; d < dim; d++) o[d] = STORE(LOAD(weight[d]) * ROUND(LOAD(xr[d]) * inv)); \
+    }                                                                                                \
+    void NAME(const T *x, const T *weight, float eps, int64_t rows, int64_t dim, T *out, int64_t threads) { \
+        _Pragma("omp parallel for if (rows * dim >= PAR_MIN_ELEMS) num_threads(threads)")            \
+        for (int64_t r = 0; r < rows; r++) NAME##_row(x + r * dim, weight, eps, dim, out + r * dim); \
+    }                                                                                                \
+    void NAME##_part(const T *x, const T *weight, float eps, int64_t rows, int64_t dim, T *out, int64_t t, \
+                     int64_t nt) {                                                                   \
+        for (int64_t r = rows * t / nt; r < rows * (t + 1) / nt; r++)                               \
+            NAME##_row(x + r * dim, weight, eps, dim, out + r * dim);                                \
     }
 
 /* In place on the first `heads` heads of every row: x * cos + rotate_half(x) * sin, with
  * rotate_half(x) = cat(-x[half:], x[:half]) and cos/sin [rows, dim] (each half repeated); 16
  * lanes of each half at a time, then a scalar tail (a half that is not a whole number of vectors). */
 #define DEFINE_ROTARY(NAME, T, LOAD, STORE, SUFFIX)                                                  \
-    void NAME(T *x, int64_t rows, int64_t row_stride, int64_t heads, int64_t dim, const T *cos,     \
-              const T *sin, int64_t threads) {                                                       \
+    static inline __attribute__((always_inline)) void NAME##_row(T *xr, int64_t heads, int64_t dim, const T *c, \
+                                                                 const T *s) {                      \
         const int64_t half = dim / 2, whole = half - half % LANES;                                   \
-        _Pragma("omp parallel for if (rows * heads * dim >= PAR_MIN_ELEMS) num_threads(threads)")     \
-        for (int64_t r = 0; r < rows; r++) {                                                         \
-            const T *c = cos + r * dim, *s = sin + r * dim;                                          \
-            for (int64_t h = 0; h < heads; h++) {                                                    \
-                T *v = x + r * row_stride + h * dim;                                                 \
-                for (int64_t d = 0; d < whole; d += LANES) {                                         \
-                    const v16f a = load16_##SUFFIX(v + d), b = load16_##SUFFIX(v + d + half);       \
-                    store16_##SUFFIX(v + d, a * load16_##SUFFIX(c + d) - b * load16_##SUFFIX(s + d)); \
-                    store16_##SUFFIX(v + d + half,                                                   \
-                                     b * load16_##SUFFIX(c + d + half) + a * load16_##SUFFIX(s + d + half)); \
-                }                                                                                    \
-                for (int64_t d = whole; d < half; d++) {                                             \
-                    const float a = LOAD(v[d]), b = LOAD(v[d + half]);                               \
-                    v[d] = STORE(a * LOAD(c[d]) - b * LOAD(s[d]));                                   \
-                    v[d + half] = STORE(b * LOAD(c[d + half]) + a * LOAD(s[d + half]));              \
-                }                                                                                    \
+        for (int64_t h = 0; h < heads; h++) {                                                        \
+            T *v = xr + h * dim;                                                                     \
+            for (int64_t d = 0; d < whole; d += LANES) {                                             \
+                const v16f a = load16_##SUFFIX(v + d), b = load16_##SUFFIX(v + d + half);           \
+                store16_##SUFFIX(v + d, a * load16_##SUFFIX(c + d) - b * load16_##SUFFIX(s + d));    \
+                store16_##SUFFIX(v + d + half, b * load16_##SUFFIX(c + d + half) + a * load16_##SUFFIX(s + d + half)); \
+            }                                                                                        \
+            for (int64_t d = whole; d < half; d++) {                                                 \
+                const float a = LOAD(v[d]), b = LOAD(v[d + half]);                                   \
+                v[d] = STORE(a * LOAD(c[d]) - b * LOAD(s[d]));                                       \
+                v[d + half] = STORE(b * LOAD(c[d + half]) + a * LOAD(s[d + half]));                  \
             }                                                                                        \
         }                                                                                            \
+    }                                                                                                \
+    void NAME(T *x, int64_t rows, int64_t row_stride, int64_t heads, int64_t dim, const T *cos,     \
+              const T *sin, int64_t threads) {                                                       \
+        _Pragma("omp parallel for if (rows * heads * dim >= PAR_MIN_ELEMS) num_threads(threads)")     \
+        for (int64_t r = 0; r < rows; r++) NAME##_row(x + r * row_stride, heads, dim, cos + r * dim, sin + r * dim); \
+    }                                                                                                \
+    void NAME##_part(T *x, int64_t rows, int64_t row_stride, int64_t heads, int64_t dim, const T *cos, \
+                     const T *sin, int64_t t, int64_t nt) {                                          \
+        for (int64_t r = rows * t / nt; r < rows * (t + 1) / nt; r++)                               \
+            NAME##_row(x + r * row_stride, heads, dim, cos + r * dim, sin + r * dim);                \
     }
 
 /* out [rows, inter] = silu(gate_up[:, :inter]) * gate_up[:, inter:], 16 lanes at a time. */
 #define DEFINE_SILU_MUL(NAME, T, LOAD, STORE, ROUND, SUFFIX)                                         \
+    static inline __attribute__((always_inline)) void NAME##_row(const T *g, int64_t inter, T *o) {  \
+        const T *u = g + inter;                                                                      \
+        int64_t d = 0;                                                                               \
+        for (; d + LANES <= inter; d += LANES) {                                                     \
+            const v16f x = load16_##SUFFIX(g + d);                                                   \
+            const v16f silu = round16_##SUFFIX(x * recip16(1.f + exp16((v16f){0} - x)));              \
+            store16_##SUFFIX(o + d, silu * load16_##SUFFIX(u + d));                                  \
+        }                                                                                            \
+        for (; d < inter; d++) { /* exp clamped as exp16's: -ffast-math assumes no infinities */     \
+            const float x = LOAD(g[d]);                                                              \
+            o[d] = STORE(ROUND(x / (1.f + expf(x > -EXP_HI ? -x : EXP_HI))) * LOAD(u[d]));           \
+        }                                                                                            \
+    }                                                                                                \
     void NAME(const T *gate_up, int64_t rows, int64_t inter, T *out, int64_t threads) {              \
         _Pragma("omp parallel for if (rows * inter >= PAR_MIN_ELEMS) num_threads(threads)")           \
-        for (int64_t r = 0; r < rows; r++) {                                                         \
-            const T *g = gate_up + r * 2 * inter, *u = g + inter;                                    \
-            T *o = out + r * inter;                                                                  \
-            int64_t d = 0;                                                                           \
-            for (; d + LANES <= inter; d += LANES) {                                                 \
-                const v16f x = load16_##SUFFIX(g + d);                                               \
-                const v16f silu = round16_##SUFFIX(x * recip16(1.f + exp16((v16f){0} - x)));          \
-                store16_##SUFFIX(o + d, silu * load16_##SUFFIX(u + d));                              \
-            }                                                                                        \
-            for (; d < inter; d++) { /* exp clamped as exp16's: -ffast-math assumes no infinities */  \
-                const float x = LOAD(g[d]);                                                          \
-                o[d] = STORE(ROUND(x / (1.f + expf(x > -EXP_HI ? -x : EXP_HI))) * LOAD(u[d]));           \
-            }                                                                                        \
-        }                                                                                            \
+        for (int64_t r = 0; r < rows; r++) NAME##_row(gate_up + r * 2 * inter, inter, out + r * inter); \
+    }                                                                                                \
+    void NAME##_part(const T *gate_up, int64_t rows, int64_t inter, T *out, int64_t t, int64_t nt) {  \
+        for (int64_t r = rows * t / nt; r < rows * (t + 1) / nt; r++)                               \
+            NAME##_row(gate_up + r * 2 * inter, inter, out + r * inter);                             \
     }
 
 /* out[r] = the index of row r's largest value, the first of equal ones (torch's max(dim=-1)

@@ -101,19 +101,19 @@ static inline __attribute__((always_inline)) void micro_f32(const int rows, cons
 #endif
 
 /* NAME: y [m, n] (contiguous) = x [m, k] (row stride ldx) @ W^T, plus res [m, n] (contiguous)
- * unless NULL, in T, through MICRO; W packed as `pack_gemm` packs it (k * NR values a panel). */
+ * unless NULL, in T, through MICRO; W packed as `pack_gemm` packs it (k * NR values a panel).
+ * NAME_part: thread t of nt's share of the panels, for a caller already inside a parallel region
+ * (decoder_layers.c); NAME runs it over an OpenMP team of its own. */
 #define DEFINE_GEMM(NAME, T, MICRO)                                                                             \
     static void NAME##_rows(int64_t rows, const T *x, int64_t ldx, int64_t k, const T *panel, const char *next,   \
                             int64_t lines, const T *init, int64_t ldi, T *out, int64_t ldo) {                     \
         switch (rows) { ROW_CASES(MICRO) }                                                                        \
     }                                                                                                           \
-    void NAME(const T *x, int64_t m, int64_t k, int64_t ldx, const T *packed, int64_t n, const T *res, T *y,      \
-              int64_t threads) {                                                                                \
+    void NAME##_part(const T *x, int64_t m, int64_t k, int64_t ldx, const T *packed, int64_t n, const T *res,     \
+                     T *y, int64_t t, int64_t nt) {                                                             \
         const int64_t panels = (n + NR - 1) / NR, blocks = (m + MR - 1) / MR;                                   \
         const int64_t panel_lines = k * NR * (int64_t)sizeof(T) / 64;                                           \
-        if (threads > panels) threads = panels;                                                                 \
-        _Pragma("omp parallel num_threads(threads)") {                                                          \
-            const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();                                 \
+        {                                                                                                       \
             const int64_t first = panels * t / nt, last = panels * (t + 1) / nt;                                \
             for (int64_t p = first; p < last; p++) {                                                            \
                 const T *panel = packed + p * k * NR;                                                           \
@@ -140,6 +140,13 @@ static inline __attribute__((always_inline)) void micro_f32(const int rows, cons
                 }                                                                                               \
             }                                                                                                   \
         }                                                                                                       \
+    }                                                                                                           \
+    void NAME(const T *x, int64_t m, int64_t k, int64_t ldx, const T *packed, int64_t n, const T *res, T *y,      \
+              int64_t threads) {                                                                                \
+        const int64_t panels = (n + NR - 1) / NR;                                                               \
+        if (threads > panels) threads = panels;                                                                 \
+        _Pragma("omp parallel num_threads(threads)")                                                            \
+        NAME##_part(x, m, k, ldx, packed, n, res, y, omp_get_thread_num(), omp_get_num_threads());              \
     }
 
 DEFINE_GEMM(gemm_f32, float, micro_f32)
