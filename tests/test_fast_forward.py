@@ -201,15 +201,10 @@ def _step_logits(engine, prompts: list[list[int]], max_tokens: int) -> tuple[lis
     return logits, in_one_call
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("policy, kernel_prefill", [("continuous", 4096), ("continuous", 0), ("static", 4096)])
-def test_layers_in_one_call_give_the_python_loops_logits_bit_for_bit(loaded_model, kernel, monkeypatch, dtype, policy,
-                                                                    kernel_prefill):
-    """decoder_layers runs the kernels the Python loop calls, in its order: every step's logits
-    are equal to the bit, decode steps (static's padding rows among them) and prefill chunks the
-    kernel attends run in one call, and chunks SDPA attends (kernel_prefill 0) go the loop's way.
-    One layer's second norm gets an epsilon of its own (the model's are all equal), so that each
-    norm must read its own layer's."""
+def _fused_and_looped(loaded_model, kernel, monkeypatch, dtype: str, policy: str, kernel_prefill: int):
+    """Three prompts run twice, layers in one call where they can be and always looped:
+    ((every step's logits, steps in one call), (the same, looped)). One layer's second norm gets an
+    epsilon of its own (the model's are all equal), so that each norm must read its own layer's."""
     if dtype == "bfloat16" and torch.bfloat16 not in kernel.gemm_dtypes:
         pytest.skip("the kernels' bfloat16 GEMM is not built on this CPU (no AVX512-BF16): nothing runs in one call")
     from appliance.engine import model_runner
@@ -229,10 +224,38 @@ def test_layers_in_one_call_give_the_python_loops_logits_bit_for_bit(loaded_mode
         engine = LLMEngine(cfg, loaded=loaded)
         engine.runner.fast.fuse_layers &= fuse
         runs.append(_step_logits(engine, prompts, max_tokens=12))
-    (fused, in_one_call), (looped, in_loop) = runs
+    return runs
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("policy, kernel_prefill", [("continuous", 4096), ("continuous", 0), ("static", 4096)])
+def test_layers_in_one_call_give_the_python_loops_logits_bit_for_bit(loaded_model, kernel, monkeypatch, dtype, policy,
+                                                                    kernel_prefill):
+    """decoder_layers runs the kernels the Python loop calls, in its order: every step's logits
+    are equal to the bit, decode steps (static's padding rows among them) and prefill chunks the
+    kernel attends run in one call, and chunks SDPA attends (kernel_prefill 0) go the loop's way."""
+    (fused, in_one_call), (looped, in_loop) = _fused_and_looped(loaded_model, kernel, monkeypatch, dtype, policy,
+                                                                kernel_prefill)
     assert in_loop == 0 and len(fused) == len(looped)
     assert all(torch.equal(a, b) for a, b in zip(fused, looped))
     if kernel_prefill:
         assert in_one_call == len(fused)  # every step: decode rows and the kernel's prefill chunks
     else:  # the chunks SDPA attends ran through the loop; the last prompt's 11 decode steps at least did not
         assert 11 <= in_one_call < len(fused)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_layers_in_one_call_give_the_same_bits_over_any_team(loaded_model, kernel, monkeypatch, dtype, threads):
+    """The one call splits every kernel over its team (the GEMMs' panels, the elementwise
+    kernels' rows, the attention's items as each thread claims them) with barriers between: alone,
+    and in an odd team whose shares are uneven, every step's logits still equal the loop's."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        (fused, in_one_call), (looped, in_loop) = _fused_and_looped(loaded_model, kernel, monkeypatch, dtype,
+                                                                    "continuous", 4096)
+    finally:
+        torch.set_num_threads(before)
+    assert in_loop == 0 and in_one_call == len(fused) == len(looped)
+    assert all(torch.equal(a, b) for a, b in zip(fused, looped))
