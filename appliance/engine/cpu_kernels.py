@@ -14,8 +14,8 @@ cached per source, flags and CPU, loaded with ctypes.
   beats oneDNN's packed matmul, on some CPUs up to a 512-row prefill chunk (the lean forward
   times the two and uses it where it wins).
 - `decoder_layers` (csrc/decoder_layers.c) runs every decoder layer of a step through the kernels
-  above in one call and one OpenMP parallel region, where the lean forward would call them one by
-  one from Python, each with a team of its own.
+  above in one call and one OpenMP parallel region, where the lean forward calls them one by one
+  from Python.
 
 Optional: without a compiler, or if the build fails, `load()` returns None and the engine keeps
 its torch paths (same results up to float rounding; both are tested).
@@ -173,7 +173,8 @@ class CpuKernels:
         weights, its K and V caches: the order of csrc/decoder_layers.c's enum), `eps` [num_layers,
         2] float32 its norms' epsilons; cos/sin [rows, head_dim], slot_mapping [rows], block_tables
         and ctx_lens as `paged_attend` takes them; `work` scratch of at least `shape.work_size(rows,
-        hidden)` values in h's dtype."""
+        hidden)` values in h's dtype. MemoryError, h untouched, where the step's small attention
+        plan cannot be allocated."""
         rows, hidden = h.shape
         assert h.dtype in self._layers and layers.shape[1] == self.layer_pointers and eps.shape == (layers.shape[0], 2)
         assert all(t.is_contiguous() for t in (h, layers, eps, cos, sin, slot_mapping, block_tables, ctx_lens, work))

@@ -510,8 +510,9 @@ static inline __attribute__((always_inline)) void chunk_item_bf16(
     }
 }
 
-/* The runs' two phases inside paged_attend's parallel region: every tile built (split over the
- * threads, then a barrier), then every (row, KV head) of the runs, each run's longest context first. */
+/* The runs' two phases inside paged_attend's parallel region (its own, or decoder_layers' step):
+ * every tile built (split over the threads, then a barrier), then every (row, KV head) of the
+ * runs, each run's longest context first. */
 #define CHUNK_ITEM_CASE(X, D, G)                                                                     \
     case D * MAX_GROUP + G:                                                                          \
         chunk_item_bf16(q, q_row_stride, q_head_stride, run, r, hh, kv_heads, D, G, scale, run_tiles, out); \
@@ -713,10 +714,10 @@ static inline __attribute__((always_inline)) int tiled_f32(int64_t head_dim) { (
                            ctx_lens, cold_rows, kv_heads, D, G, block_size, num_slots, scale, out, item, next, warm); \
         break;
 
-/* Each elementwise kernel below comes as NAME (rows over an OpenMP team of its own, above
- * PAR_MIN_ELEMS) and NAME_part (thread t of nt's share of the rows, rows * t / nt up to
- * rows * (t + 1) / nt, for a caller already inside a parallel region: decoder_layers.c), both
- * through the same per-row function, so that either gives the same bits. */
+/* Each elementwise kernel below comes as NAME_part (thread t of nt's share of the rows, rows * t /
+ * nt up to rows * (t + 1) / nt, for a caller already inside a parallel region: decoder_layers.c)
+ * and NAME, which runs NAME_part over a team of its own (one thread below PAR_MIN_ELEMS): one
+ * compiled copy of the work, so that either gives the same bits. */
 /* out = weight * round(x * rsqrt(mean(x^2) + eps)): transformers' LlamaRMSNorm, op for op. */
 #define DEFINE_RMS_NORM(NAME, T, LOAD, STORE, ROUND, SUFFIX)                                         \
     static inline __attribute__((always_inline)) void NAME##_row(const T *xr, const T *weight, float eps, \
@@ -734,14 +735,14 @@ static inline __attribute__((always_inline)) int tiled_f32(int64_t head_dim) { (
             store16_##SUFFIX(o + d, load16_##SUFFIX(weight + d) * round16_##SUFFIX(load16_##SUFFIX(xr + d) * inv)); \
         for (int64_t d = whole; d < dim; d++) o[d] = STORE(LOAD(weight[d]) * ROUND(LOAD(xr[d]) * inv)); \
     }                                                                                                \
-    void NAME(const T *x, const T *weight, float eps, int64_t rows, int64_t dim, T *out, int64_t threads) { \
-        _Pragma("omp parallel for if (rows * dim >= PAR_MIN_ELEMS) num_threads(threads)")            \
-        for (int64_t r = 0; r < rows; r++) NAME##_row(x + r * dim, weight, eps, dim, out + r * dim); \
-    }                                                                                                \
     void NAME##_part(const T *x, const T *weight, float eps, int64_t rows, int64_t dim, T *out, int64_t t, \
                      int64_t nt) {                                                                   \
         for (int64_t r = rows * t / nt; r < rows * (t + 1) / nt; r++)                               \
             NAME##_row(x + r * dim, weight, eps, dim, out + r * dim);                                \
+    }                                                                                                \
+    void NAME(const T *x, const T *weight, float eps, int64_t rows, int64_t dim, T *out, int64_t threads) { \
+        _Pragma("omp parallel if (rows * dim >= PAR_MIN_ELEMS) num_threads(threads)")                \
+        NAME##_part(x, weight, eps, rows, dim, out, omp_get_thread_num(), omp_get_num_threads());    \
     }
 
 /* In place on the first `heads` heads of every row: x * cos + rotate_half(x) * sin, with
@@ -765,15 +766,15 @@ static inline __attribute__((always_inline)) int tiled_f32(int64_t head_dim) { (
             }                                                                                        \
         }                                                                                            \
     }                                                                                                \
-    void NAME(T *x, int64_t rows, int64_t row_stride, int64_t heads, int64_t dim, const T *cos,     \
-              const T *sin, int64_t threads) {                                                       \
-        _Pragma("omp parallel for if (rows * heads * dim >= PAR_MIN_ELEMS) num_threads(threads)")     \
-        for (int64_t r = 0; r < rows; r++) NAME##_row(x + r * row_stride, heads, dim, cos + r * dim, sin + r * dim); \
-    }                                                                                                \
     void NAME##_part(T *x, int64_t rows, int64_t row_stride, int64_t heads, int64_t dim, const T *cos, \
                      const T *sin, int64_t t, int64_t nt) {                                          \
         for (int64_t r = rows * t / nt; r < rows * (t + 1) / nt; r++)                               \
             NAME##_row(x + r * row_stride, heads, dim, cos + r * dim, sin + r * dim);                \
+    }                                                                                                \
+    void NAME(T *x, int64_t rows, int64_t row_stride, int64_t heads, int64_t dim, const T *cos,     \
+              const T *sin, int64_t threads) {                                                       \
+        _Pragma("omp parallel if (rows * heads * dim >= PAR_MIN_ELEMS) num_threads(threads)")         \
+        NAME##_part(x, rows, row_stride, heads, dim, cos, sin, omp_get_thread_num(), omp_get_num_threads()); \
     }
 
 /* out [rows, inter] = silu(gate_up[:, :inter]) * gate_up[:, inter:], 16 lanes at a time. */
@@ -791,13 +792,13 @@ static inline __attribute__((always_inline)) int tiled_f32(int64_t head_dim) { (
             o[d] = STORE(ROUND(x / (1.f + expf(x > -EXP_HI ? -x : EXP_HI))) * LOAD(u[d]));           \
         }                                                                                            \
     }                                                                                                \
-    void NAME(const T *gate_up, int64_t rows, int64_t inter, T *out, int64_t threads) {              \
-        _Pragma("omp parallel for if (rows * inter >= PAR_MIN_ELEMS) num_threads(threads)")           \
-        for (int64_t r = 0; r < rows; r++) NAME##_row(gate_up + r * 2 * inter, inter, out + r * inter); \
-    }                                                                                                \
     void NAME##_part(const T *gate_up, int64_t rows, int64_t inter, T *out, int64_t t, int64_t nt) {  \
         for (int64_t r = rows * t / nt; r < rows * (t + 1) / nt; r++)                               \
             NAME##_row(gate_up + r * 2 * inter, inter, out + r * inter);                             \
+    }                                                                                                \
+    void NAME(const T *gate_up, int64_t rows, int64_t inter, T *out, int64_t threads) {              \
+        _Pragma("omp parallel if (rows * inter >= PAR_MIN_ELEMS) num_threads(threads)")               \
+        NAME##_part(gate_up, rows, inter, out, omp_get_thread_num(), omp_get_num_threads());         \
     }
 
 /* out[r] = the index of row r's largest value, the first of equal ones (torch's max(dim=-1)

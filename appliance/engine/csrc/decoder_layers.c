@@ -13,11 +13,12 @@
  * The whole step is one OpenMP parallel region: each thread runs its share of every kernel (the
  * GEMMs' panels, the elementwise kernels' rows, the attention's (row, KV head) items as it claims
  * them; the kernels' _part functions), with a barrier wherever the next kernel reads what another
- * thread wrote. Called one by one, each GEMM and attention opened a team of its own (150 forks and
- * joins a step) and the elementwise kernels ran on the calling thread alone while the other
- * waited: in lockstep with that way on the same requests (AMD EPYC Zen 5, 2 threads), skewed-64
- * took 0.95-0.96x its time in bfloat16 and 0.985x in float32, steady decode at 16 and 64 rows
- * 0.96-0.99x.
+ * thread wrote. Called one by one, each GEMM and attention opened a team of its own (up to 150
+ * forks and joins a step) and the elementwise kernels ran on the calling thread alone while the
+ * others waited: in lockstep with that way on the same requests (AMD EPYC Zen 5, 2 threads),
+ * skewed-64 took 0.95-0.98x its time in bfloat16 and 0.985x in float32, steady decode at 16 and 64
+ * rows 0.96-0.99x. As with the forks and joins, a thread taken off its core by another process
+ * holds the others at the next barrier.
  *
  * Layout of `layers`: per layer LAYER_POINTERS addresses (ln1, ln2, qkv, o, gate_up, down: the
  * norms' weights and the own GEMM's packed copies; then the layer's K and V caches: the order
@@ -64,7 +65,7 @@ void attend_plan_free(void *plan);
         /* the rows' attention work, the same in every layer; each layer's two claim counters */                 \
         void *plan = paged_attend_##SUFFIX##_plan(block_tables, table_width, ctx_lens, rows, cold_rows, kv_heads, \
                                                   head_dim);                                                      \
-        int64_t *claimed = calloc(2 * num_layers, sizeof(int64_t));                                               \
+        int64_t *claimed = calloc(2 * num_layers + 2, sizeof(int64_t)); /* never 0 bytes */                     \
         if (!plan || !claimed) {                                                                                  \
             attend_plan_free(plan);                                                                               \
             free(claimed);                                                                                        \
@@ -72,7 +73,6 @@ void attend_plan_free(void *plan);
         }                                                                                                         \
         _Pragma("omp parallel num_threads(threads)") {                                                            \
             const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();                                   \
-            const int64_t first = rows * t / nt, last = rows * (t + 1) / nt; /* this thread's rows */             \
             for (int64_t l = 0; l < num_layers; l++) {                                                            \
                 const int64_t *p = layers + l * LAYER_POINTERS;                                                   \
                 T *k_cache = (T *)p[K_CACHE], *v_cache = (T *)p[V_CACHE];                                         \
@@ -81,13 +81,17 @@ void attend_plan_free(void *plan);
                 gemm_##SUFFIX##_part(x, rows, hidden, hidden, (const T *)p[QKV], width, NULL, qkv, t, nt);         \
                 _Pragma("omp barrier")                                                                            \
                 rotary_##SUFFIX##_part(qkv, rows, width, heads + kv_heads, head_dim, cos, sin, t, nt);             \
-                for (int64_t r = first; r < last; r++) /* the same rows' new keys and values */                  \
-                    for (int64_t g = 0; g < kv_heads; g++) {                                                      \
-                        const T *k = qkv + r * width + (heads + g) * head_dim, *v = k + kv_heads * head_dim;     \
-                        const int64_t at = (g * num_slots + slot_mapping[r]) * head_dim;                          \
-                        memcpy(k_cache + at, k, head_dim * sizeof(T));                                            \
-                        memcpy(v_cache + at, v, head_dim * sizeof(T));                                            \
-                    }                                                                                             \
+                _Pragma("omp barrier")                                                                            \
+                /* the new keys and values, by one thread in row order, as the loop's index_copy_ writes them: \
+                 * static batching's padding rows all map to the scratch slot, and the last one's is kept */     \
+                if (t == 0)                                                                                       \
+                    for (int64_t r = 0; r < rows; r++)                                                            \
+                        for (int64_t g = 0; g < kv_heads; g++) {                                                  \
+                            const T *k = qkv + r * width + (heads + g) * head_dim, *v = k + kv_heads * head_dim; \
+                            const int64_t at = (g * num_slots + slot_mapping[r]) * head_dim;                      \
+                            memcpy(k_cache + at, k, head_dim * sizeof(T));                                        \
+                            memcpy(v_cache + at, v, head_dim * sizeof(T));                                        \
+                        }                                                                                         \
                 _Pragma("omp barrier") /* every new key and value is in the cache before any row reads it */     \
                 paged_attend_##SUFFIX##_part(qkv, width, head_dim, k_cache, v_cache, block_tables, table_width,   \
                                              ctx_lens, cold_rows, heads, kv_heads, head_dim, block_size,         \

@@ -113,31 +113,29 @@ static inline __attribute__((always_inline)) void micro_f32(const int rows, cons
                      T *y, int64_t t, int64_t nt) {                                                             \
         const int64_t panels = (n + NR - 1) / NR, blocks = (m + MR - 1) / MR;                                   \
         const int64_t panel_lines = k * NR * (int64_t)sizeof(T) / 64;                                           \
-        {                                                                                                       \
-            const int64_t first = panels * t / nt, last = panels * (t + 1) / nt;                                \
-            for (int64_t p = first; p < last; p++) {                                                            \
-                const T *panel = packed + p * k * NR;                                                           \
-                const char *next = p + 1 < last ? (const char *)(panel + k * NR) : NULL;                        \
-                const int64_t col = p * NR, width = n - col < NR ? n - col : NR;                                \
-                if (width < NR) { /* the last, partial panel: through a full-width scratch tile */              \
-                    T tile[MR * NR];                                                                            \
-                    for (int64_t b = 0, row = 0, rows; b < blocks; b++, row += rows) {                          \
-                        rows = m * (b + 1) / blocks - row;                                                      \
-                        if (res)                                                                                \
-                            for (int i = 0; i < rows; i++)                                                      \
-                                memcpy(tile + i * NR, res + (row + i) * n + col, width * sizeof(T));            \
-                        NAME##_rows(rows, x + row * ldx, ldx, k, panel, NULL, 0, res ? tile : NULL, NR, tile, NR); \
-                        for (int i = 0; i < rows; i++) memcpy(y + (row + i) * n + col, tile + i * NR, width * sizeof(T)); \
-                    }                                                                                           \
-                    continue;                                                                                   \
-                }                                                                                               \
+        const int64_t first = panels * t / nt, last = panels * (t + 1) / nt;                                    \
+        for (int64_t p = first; p < last; p++) {                                                                \
+            const T *panel = packed + p * k * NR;                                                               \
+            const char *next = p + 1 < last ? (const char *)(panel + k * NR) : NULL;                            \
+            const int64_t col = p * NR, width = n - col < NR ? n - col : NR;                                    \
+            if (width < NR) { /* the last, partial panel: through a full-width scratch tile */                  \
+                T tile[MR * NR];                                                                                \
                 for (int64_t b = 0, row = 0, rows; b < blocks; b++, row += rows) {                              \
-                    rows = m * (b + 1) / blocks - row; /* rows spread evenly over the blocks */                 \
-                    /* block b prefetches its share of the next panel, so the stream runs under every block */  \
-                    const int64_t lo = panel_lines * b / blocks, hi = panel_lines * (b + 1) / blocks;           \
-                    NAME##_rows(rows, x + row * ldx, ldx, k, panel, next ? next + lo * 64 : NULL, hi - lo,      \
-                                res ? res + row * n + col : NULL, n, y + row * n + col, n);                     \
+                    rows = m * (b + 1) / blocks - row;                                                          \
+                    if (res)                                                                                    \
+                        for (int i = 0; i < rows; i++)                                                          \
+                            memcpy(tile + i * NR, res + (row + i) * n + col, width * sizeof(T));                \
+                    NAME##_rows(rows, x + row * ldx, ldx, k, panel, NULL, 0, res ? tile : NULL, NR, tile, NR);     \
+                    for (int i = 0; i < rows; i++) memcpy(y + (row + i) * n + col, tile + i * NR, width * sizeof(T));     \
                 }                                                                                               \
+                continue;                                                                                       \
+            }                                                                                                   \
+            for (int64_t b = 0, row = 0, rows; b < blocks; b++, row += rows) {                                  \
+                rows = m * (b + 1) / blocks - row; /* rows spread evenly over the blocks */                     \
+                /* block b prefetches its share of the next panel, so the stream runs under every block */      \
+                const int64_t lo = panel_lines * b / blocks, hi = panel_lines * (b + 1) / blocks;               \
+                NAME##_rows(rows, x + row * ldx, ldx, k, panel, next ? next + lo * 64 : NULL, hi - lo,          \
+                            res ? res + row * n + col : NULL, n, y + row * n + col, n);                         \
             }                                                                                                   \
         }                                                                                                       \
     }                                                                                                           \
