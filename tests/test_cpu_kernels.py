@@ -214,11 +214,27 @@ def _has_avx512_bf16() -> bool:
     return " avx512_bf16" in Path("/proc/cpuinfo").read_text()
 
 
-@pytest.mark.parametrize("rows", [1, 5, 10, 11, 13, 64, 300])  # around the register block (10 rows)
-@pytest.mark.parametrize("n, k", [(96, 40), (50, 34), (960, 576)])
-def test_own_bfloat16_gemm_matches_float32_sums_rounded_once(kernel, rows, n, k):
+def _has_amx_bf16() -> bool:
+    return " amx_bf16" in Path("/proc/cpuinfo").read_text()
+
+
+@pytest.fixture(params=[True, False], ids=["amx", "no-amx"])
+def amx(request, kernel):
+    """The bfloat16 GEMM's AMX path asked on (taken where the CPU has AMX-BF16) or off, then on again."""
+    on = kernel.use_amx(request.param)
+    assert on == (request.param and _has_amx_bf16())  # built with -march=native, granted by Linux
+    yield on
+    kernel.use_amx(True)
+
+
+# rows: around the AVX-512 register block (10 rows) and AMX's row tiles (16) and blocks (32);
+# k: AMX takes whole 32s (the others run on AVX512-BF16); n: whole 32-column panels or a partial last one
+@pytest.mark.parametrize("rows", [1, 5, 10, 11, 13, 16, 17, 33, 64, 300])
+@pytest.mark.parametrize("n, k", [(96, 40), (50, 34), (50, 64), (960, 576)])
+def test_own_bfloat16_gemm_matches_float32_sums_rounded_once(kernel, amx, rows, n, k):
     """Where the kernels were built for AVX512-BF16: x @ W.T (+ residual) summed in float32 and
-    rounded to bfloat16 once, as the reference below; elsewhere they take no bfloat16 weight."""
+    rounded to bfloat16 once, as the reference below, on AMX tiles and on AVX512-BF16 alike;
+    elsewhere they take no bfloat16 weight."""
     gen = torch.Generator().manual_seed(rows * n)
     weight = torch.randn(n, k, generator=gen).bfloat16()
     assert _has_avx512_bf16() or torch.bfloat16 not in kernel.gemm_dtypes  # built only for a CPU that has it

@@ -10,9 +10,9 @@ cached per source, flags and CPU, loaded with ctypes.
   where torch runs five to eight kernels.
 - `argmax_rows` picks greedy rows' tokens from the logits.
 - `gemm` (csrc/packed_gemm.c) multiplies float32 rows, or bfloat16 rows where the CPU has
-  AVX512-BF16, by a weight packed once for it (`pack_gemm`): at a decode step's row counts it
-  beats oneDNN's packed matmul, on some CPUs up to a 512-row prefill chunk (the lean forward
-  times the two and uses it where it wins).
+  AVX512-BF16 (on AMX tiles where it has those too), by a weight packed once for it
+  (`pack_gemm`): at a decode step's row counts it beats oneDNN's packed matmul, on some CPUs up to
+  a 512-row prefill chunk (the lean forward times the two and uses it where it wins).
 - `decoder_layers` (csrc/decoder_layers.c) runs every decoder layer of a step through the kernels
   above in one call and one OpenMP parallel region, where the lean forward calls them one by one
   from Python.
@@ -83,6 +83,9 @@ class CpuKernels:
         self.dim_multiple = lib.paged_attend_dim_multiple()
         self.panel_width = lib.gemm_panel_width()
         self.layer_pointers = lib.decoder_layer_pointers()
+        self._lib = lib
+        lib.gemm_amx.argtypes, lib.gemm_amx.restype = [ctypes.c_int], ctypes.c_int
+        self.amx = bool(lib.gemm_amx(1))
         self._gemms: dict[torch.dtype, ctypes._CFuncPtr] = {}
         self._layers: dict[torch.dtype, ctypes._CFuncPtr] = {}
         for dtype, suffix in _SUFFIX.items():
@@ -112,6 +115,12 @@ class CpuKernels:
     def gemm_dtypes(self) -> frozenset[torch.dtype]:
         """The dtypes `gemm` was built for: float32, and bfloat16 where the compiler targeted AVX512-BF16."""
         return frozenset(self._gemms)
+
+    def use_amx(self, on: bool) -> bool:
+        """Turn the bfloat16 GEMM's AMX path on or off (on by default where built and Linux grants
+        the tiles; the other path is the AVX512-BF16 one); whether it is on now."""
+        self.amx = bool(self._lib.gemm_amx(int(on)))
+        return self.amx
 
     def supports_gemm(self, weight: torch.Tensor) -> bool:
         """Whether `gemm` takes this weight: float32, or bfloat16 with an even k where built."""

@@ -103,14 +103,16 @@ static inline __attribute__((always_inline)) void micro_f32(const int rows, cons
 /* NAME: y [m, n] (contiguous) = x [m, k] (row stride ldx) @ W^T, plus res [m, n] (contiguous)
  * unless NULL, in T, through MICRO; W packed as `pack_gemm` packs it (k * NR values a panel).
  * NAME_part: thread t of nt's share of the panels, for a caller already inside a parallel region
- * (decoder_layers.c); NAME runs it over an OpenMP team of its own. */
-#define DEFINE_GEMM(NAME, T, MICRO)                                                                             \
+ * (decoder_layers.c), unless TAKEN_BY (a statement run first, given the same arguments) did the
+ * share itself and returned; NAME runs it over an OpenMP team of its own. */
+#define DEFINE_GEMM(NAME, T, MICRO, TAKEN_BY)                                                                   \
     static void NAME##_rows(int64_t rows, const T *x, int64_t ldx, int64_t k, const T *panel, const char *next,   \
                             int64_t lines, const T *init, int64_t ldi, T *out, int64_t ldo) {                     \
         switch (rows) { ROW_CASES(MICRO) }                                                                        \
     }                                                                                                           \
     void NAME##_part(const T *x, int64_t m, int64_t k, int64_t ldx, const T *packed, int64_t n, const T *res,     \
                      T *y, int64_t t, int64_t nt) {                                                             \
+        TAKEN_BY;                                                                                               \
         const int64_t panels = (n + NR - 1) / NR, blocks = (m + MR - 1) / MR;                                   \
         const int64_t panel_lines = k * NR * (int64_t)sizeof(T) / 64;                                           \
         const int64_t first = panels * t / nt, last = panels * (t + 1) / nt;                                    \
@@ -147,7 +149,7 @@ static inline __attribute__((always_inline)) void micro_f32(const int rows, cons
         NAME##_part(x, m, k, ldx, packed, n, res, y, omp_get_thread_num(), omp_get_num_threads());              \
     }
 
-DEFINE_GEMM(gemm_f32, float, micro_f32)
+DEFINE_GEMM(gemm_f32, float, micro_f32, )
 
 #ifdef __AVX512BF16__
 /* bfloat16 (AVX512-BF16): W packed in k pairs (panel p holds W[p*NR + j][2q + e] at
@@ -189,5 +191,140 @@ static inline __attribute__((always_inline)) void micro_bf16(const int rows, con
     }
 }
 
-DEFINE_GEMM(gemm_bf16, bf16_t, micro_bf16)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define HAVE_AMX
+/* bfloat16 on AMX (Intel Xeon from Sapphire Rapids on): one `tdpbf16ps` multiplies a 16-row by
+ * 32-value tile of x by a 16-pair by 16-column tile of W and adds the products to a 16 x 16 float32
+ * tile, 16 times the work of a `vdpbf16ps`. The packed panel needs no other layout: its k pairs
+ * of 32 columns are two such W tiles side by side (row stride 2 * NR values). A block of up to 32
+ * rows keeps four float32 tiles (2 row tiles x 2 column tiles), with two tiles of x and two of W
+ * (all eight of the tile registers); the rows past m of the last row tile come from a zero-padded
+ * copy. The sums start from zero and res is added once they are done, then rounded to bfloat16
+ * (to nearest even) once. Taken where k is a whole number of 32s and the kernel has permission
+ * to use the tiles (gemm_amx). */
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define AMX_K 32 /* bfloat16 values of x per tile row */
+
+/* The mask of a 16-lane vector's first `count` lanes (all from 16 on, none below 1). */
+static inline __attribute__((always_inline)) __mmask16 first_lanes(int64_t count) {
+    return count >= 16 ? 0xffff : count <= 0 ? 0 : (__mmask16)((1u << count) - 1);
+}
+
+/* The first `count` of the 16 values at p (first_lanes), as float32, the rest 0. */
+static inline __attribute__((always_inline)) __m512 load_bf16_first(const bf16_t *p, int64_t count) {
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(first_lanes(count), p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+static int amx_on;
+
+/* Turn the AMX path on (asking Linux, once, for the tiles' state) or off; whether it is on. */
+int gemm_amx(int on) {
+    static int permitted = -1;
+    if (on && permitted < 0) /* ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA */
+        permitted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    amx_on = on && permitted > 0;
+    return amx_on;
+}
+
+static void amx_configure(void) {
+    struct {
+        uint8_t palette, start_row, reserved[14];
+        uint16_t colsb[16];
+        uint8_t rows[16];
+    } config = {.palette = 1};
+    for (int i = 0; i < 8; i++) config.colsb[i] = 64, config.rows[i] = 16;
+    _tile_loadconfig(&config);
+}
+
+/* c [32][NR] float32 = rows a0 (and a1, where given) . panel, 16 rows each; the `lines` cache
+ * lines from `next` (none where NULL) prefetched over the k steps. */
+static inline __attribute__((always_inline)) void amx_block(const bf16_t *a0, int64_t ld0, const bf16_t *a1,
+                                                            int64_t ld1, int64_t k, const bf16_t *panel,
+                                                            const char *next, int64_t lines, float *c) {
+    const int64_t steps = k / AMX_K;
+    int64_t due = 0;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t s = 0; s < steps; s++) {
+        const bf16_t *w = panel + s * AMX_K * NR;
+        _tile_loadd(6, w, 2 * NR * sizeof(bf16_t));
+        _tile_loadd(7, w + 32, 2 * NR * sizeof(bf16_t));
+        _tile_loadd(4, a0 + s * AMX_K, ld0 * sizeof(bf16_t));
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        if (a1) {
+            _tile_loadd(5, a1 + s * AMX_K, ld1 * sizeof(bf16_t));
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+        PREFETCH_SHARE(next, lines, steps, due);
+    }
+    _tile_stored(0, c, NR * sizeof(float));
+    _tile_stored(1, c + 16, NR * sizeof(float));
+    if (a1) {
+        _tile_stored(2, c + 16 * NR, NR * sizeof(float));
+        _tile_stored(3, c + 16 * NR + 16, NR * sizeof(float));
+    }
+}
+
+/* gemm_bf16_part's share on AMX: its panels, each over every row block. */
+static void gemm_bf16_amx_part(const bf16_t *x, int64_t m, int64_t k, int64_t ldx, const bf16_t *packed, int64_t n,
+                               const bf16_t *res, bf16_t *y, int64_t t, int64_t nt) {
+    const int64_t panels = (n + NR - 1) / NR, first = panels * t / nt, last = panels * (t + 1) / nt;
+    if (first == last) return;
+    const int64_t tiles = (m + 15) / 16, whole = m / 16, blocks = (tiles + 1) / 2;
+    const int64_t panel_lines = k * NR * (int64_t)sizeof(bf16_t) / 64;
+    bf16_t tail[whole < tiles ? 16 * k : 1]; /* the last row tile's rows, zero-padded to 16 */
+    if (whole < tiles) {
+        memset(tail, 0, sizeof tail);
+        for (int64_t i = 0; i < m - 16 * whole; i++) memcpy(tail + i * k, x + (16 * whole + i) * ldx, k * sizeof(bf16_t));
+    }
+    float c[32 * NR];
+    amx_configure();
+    for (int64_t p = first; p < last; p++) {
+        const bf16_t *panel = packed + p * k * NR;
+        const char *next = p + 1 < last ? (const char *)(panel + k * NR) : NULL;
+        const int64_t col = p * NR, width = n - col < NR ? n - col : NR;
+        for (int64_t b = 0; b < blocks; b++) {
+            const int64_t r0 = 32 * b, rows = m - r0 < 32 ? m - r0 : 32;
+            const bf16_t *a0 = 2 * b < whole ? x + r0 * ldx : tail, *a1 = NULL;
+            int64_t ld0 = 2 * b < whole ? ldx : k, ld1 = 0;
+            if (2 * b + 1 < tiles) {
+                a1 = 2 * b + 1 < whole ? x + (r0 + 16) * ldx : tail;
+                ld1 = 2 * b + 1 < whole ? ldx : k;
+            }
+            const int64_t lo = panel_lines * b / blocks, hi = panel_lines * (b + 1) / blocks;
+            amx_block(a0, ld0, a1, ld1, k, panel, next ? next + lo * 64 : NULL, hi - lo, c);
+            for (int64_t i = 0; i < rows; i++) {
+                bf16_t *out = y + (r0 + i) * n + col;
+                __m512 lo16 = _mm512_loadu_ps(c + i * NR), hi16 = _mm512_loadu_ps(c + i * NR + 16);
+                if (res) {
+                    lo16 = _mm512_add_ps(lo16, load_bf16_first(res + (r0 + i) * n + col, width));
+                    hi16 = _mm512_add_ps(hi16, load_bf16_first(res + (r0 + i) * n + col + 16, width - 16));
+                }
+                _mm256_mask_storeu_epi16(out, first_lanes(width), (__m256i)_mm512_cvtneps_pbh(lo16));
+                _mm256_mask_storeu_epi16(out + 16, first_lanes(width - 16), (__m256i)_mm512_cvtneps_pbh(hi16));
+            }
+        }
+    }
+    _tile_release();
+}
+#define AMX_TAKES(x, m, k, ldx, packed, n, res, y, t, nt) \
+    if (amx_on && (k) % AMX_K == 0) {                     \
+        gemm_bf16_amx_part(x, m, k, ldx, packed, n, res, y, t, nt); \
+        return;                                            \
+    }
+#else
+#define AMX_TAKES(...)
+#endif
+
+DEFINE_GEMM(gemm_bf16, bf16_t, micro_bf16, AMX_TAKES(x, m, k, ldx, packed, n, res, y, t, nt))
+#endif
+
+#ifndef HAVE_AMX
+int gemm_amx(int on) { return on && 0; } /* no AMX path built */
 #endif
