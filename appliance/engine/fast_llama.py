@@ -14,7 +14,7 @@ runs that many rows unpacked where BLAS wins by PLAIN_MARGIN (`plain_rows`). Wit
 (cpu_kernels) the norms, the rotary embedding and the gated activation take one pass each, and
 in float32 (and bfloat16 where the CPU has AVX512-BF16) each weight gets a second packed copy
 for the kernels' own GEMM, which the forward times against oneDNN's once a process, on every
-layer's gate/up weight streamed as a step streams them, and uses up to the most rows where it won
+layer's projections streamed as a step streams them, and uses up to the most rows where it won
 within OWN_MARGIN (`own_rows`: 64-256 on an AMD EPYC with AVX2, where it runs a decode step's
 matmuls 1.2-1.6x faster; in fp32 128 on an Intel Xeon with AVX-512, 1.3-1.5x at 16-64 rows, where one hot weight
 timed alone had made it a coin toss from 16 rows on; in bf16 1 there, 1.3x, AMX's far ahead
@@ -144,8 +144,8 @@ def faster_own_rows(linears: Sequence[PackedLinear],
                     timed: Callable[[Sequence[Callable[[], object]]], list[float]] | None = None) -> int:
     """The most rows (of OWN_ROWS_TRIED, counting up) at which the C kernels' GEMM took at most
     OWN_MARGIN times the call it replaces (oneDNN's packed matmul, or F.linear where nothing is
-    packed), in its timing or, after a loss, in a second one, over one pass of `linears` (of one
-    shape class, e.g. every layer's gate/up: each weight streamed from memory as a step streams it,
+    packed), in its timing or, after a loss, in a second one, over one pass of `linears` (every
+    layer's projections, in a step's order: each weight streamed from memory as a step streams it,
     where one weight timed again and again sits in cache and tells a different story; each with the
     kernels' packed copy), `timed` now in this thread. The count stops at two lost counts in a row,
     or at a lost count that loses again when timed after the next count won; one that wins then was
@@ -155,7 +155,9 @@ def faster_own_rows(linears: Sequence[PackedLinear],
               for linear in linears]
 
     def won(rows: int) -> bool:
-        xs = [torch.randn(rows, linear.weight.shape[1], dtype=linear.weight.dtype) for linear in linears]
+        inputs = {width: torch.randn(rows, width, dtype=linears[0].weight.dtype)  # one per input width, as in a step
+                  for width in {linear.weight.shape[1] for linear in linears}}
+        xs = [inputs[linear.weight.shape[1]] for linear in linears]
         calls = [lambda: [lin.kernels.gemm(x, lin.own, lin.weight.shape[0]) for x, lin in zip(xs, linears)],
                  lambda: [other(x) for x, other in zip(xs, others)]]
         return any(own <= OWN_MARGIN * replaced for own, replaced in (timed(calls) for _ in range(2)))
@@ -275,7 +277,7 @@ class FastLlamaForward:
         self.lm_head = PackedLinear(model.lm_head.weight, kernels=kernels)
         self.kernels = kernels  # the runner passes them only for a dtype and device they support
         owned = own_copies_on_huge_pages(self.linears())  # the copies a decode step streams
-        self.own_rows = own_rows_on_this_cpu([layer.gate_up for layer in self.layers])
+        self.own_rows = own_rows_on_this_cpu(self.linears()[:-1])  # the layers' projections: a step's GEMMs
         for linear in owned:
             linear.own_rows = self.own_rows
         self.plain_rows = faster_plain_rows(self.layers[0].gate_up) if self.layers else 0

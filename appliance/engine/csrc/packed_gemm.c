@@ -23,7 +23,7 @@
  * and splits the work for many rows: the model's 120 weights cold, on an AMD EPYC (Zen 3, AVX2,
  * 2 cores), 1.4-1.6x at 1-16 rows, 1.2-1.3x at 32-96, even at 128, 0.8-0.85x at 256-512 (where
  * it reaches ~100 GFLOP/s against oneDNN's 110-125). The lean forward times the two once a
- * process on every layer's gate/up weight, streamed from memory as a step streams them, and uses
+ * process on every layer's projections, streamed from memory as a step streams them, and uses
  * this one up to the most rows where it won, within a 5 % margin (`own_rows`). */
 #include <omp.h>
 #include <stdint.h>
