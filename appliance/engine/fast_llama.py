@@ -12,15 +12,17 @@ MKL on a Sapphire Rapids box: 25 vs 39 us for q/k/v at one row, a single chat de
 13 % faster); the forward times both on one of the model's own weights when it is built and
 runs that many rows unpacked where BLAS wins by PLAIN_MARGIN (`plain_rows`). With the C kernels
 (cpu_kernels) the norms, the rotary embedding and the gated activation take one pass each, and
-in float32 (and bfloat16 where the CPU has AVX512-BF16) each weight gets a second packed copy
-for the kernels' own GEMM, which the forward times against oneDNN's once a process, on every
-layer's projections streamed as a step streams them, and uses up to the most rows where it won
-within OWN_MARGIN (`own_rows`: 64-256 on an AMD EPYC with AVX2, where it runs a decode step's
-matmuls 1.2-1.6x faster; in fp32 128 on an Intel Xeon with AVX-512, 1.3-1.5x at 16-64 rows, where one hot weight
-timed alone had made it a coin toss from 16 rows on; in bf16 1 there, 1.3x, AMX's far ahead
-from 16 rows; in bf16 512 on an AMD EPYC Zen 5). Where every matmul of a step takes the own GEMM
-and the attention kernel takes every row, the layers run in one C call (`decoder_layers`: the
-same kernels in the same order, the same logits to the bit, without the Python between them).
+in float32 (and bfloat16 where the CPU has AVX512-BF16, on AMX tiles where it has those) each
+weight gets a second packed copy for the kernels' own GEMM, which the forward times against
+oneDNN's once a process, on every layer's projections streamed as a step streams them, and uses
+up to the most rows where it won within OWN_MARGIN (`own_rows`: 64-256 on an AMD EPYC with AVX2,
+where it runs a decode step's matmuls 1.2-1.6x faster; in fp32 128 on an Intel Xeon with
+AVX-512, 1.3-1.5x at 16-64 rows, where one hot weight timed alone had made it a coin toss from 16
+rows on; in bf16 1 there while oneDNN's AMX matmul was far ahead from 16 rows, 512 on such a
+Xeon once the own GEMM ran on AMX tiles too; in bf16 512 on an AMD EPYC Zen 5). Where every
+matmul of a step takes the own GEMM and the attention kernel takes every row, the layers run in
+one C call (`decoder_layers`: the same kernels in the same order, the same logits to the bit,
+without the Python between them).
 Anything else (qwen2 with biases, scaled rope, other activations, ...) goes through
 transformers' own classes; a test checks this forward's logits against transformers'.
 """
@@ -180,12 +182,14 @@ _OWN_ROWS: dict[tuple, int] = {}  # faster_own_rows per shapes, dtype and thread
 
 
 def own_rows_on_this_cpu(linears: Sequence[PackedLinear]) -> int:
-    """faster_own_rows(linears), timed at the first call in this process for their shapes, dtype
-    and thread count, and the same answer after: every engine built in one process splits its
-    matmuls alike, and none pays the timing again. 0 where any lacks the kernels' packed copy."""
+    """faster_own_rows(linears), timed at the first call in this process for their shapes, dtype,
+    thread count and the AMX path's state, and the same answer after: every engine built in one
+    process splits its matmuls alike, and none pays the timing again. 0 where any lacks the
+    kernels' packed copy."""
     if not linears or any(linear.own is None for linear in linears):
         return 0
-    key = (tuple(tuple(linear.weight.shape) for linear in linears), linears[0].weight.dtype, torch.get_num_threads())
+    key = (tuple(tuple(linear.weight.shape) for linear in linears), linears[0].weight.dtype, torch.get_num_threads(),
+           linears[0].kernels.amx)
     if key not in _OWN_ROWS:
         _OWN_ROWS[key] = faster_own_rows(linears)
     return _OWN_ROWS[key]

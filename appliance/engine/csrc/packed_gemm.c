@@ -27,6 +27,7 @@
  * this one up to the most rows where it won, within a 5 % margin (`own_rows`). */
 #include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #ifdef __AVX512BF16__
 #include <immintrin.h>
@@ -199,7 +200,8 @@ static inline __attribute__((always_inline)) void micro_bf16(const int rows, con
  * of 32 columns are two such W tiles side by side (row stride 2 * NR values). A block of up to 32
  * rows keeps four float32 tiles (2 row tiles x 2 column tiles), with two tiles of x and two of W
  * (all eight of the tile registers); the rows past m of the last row tile come from a zero-padded
- * copy. The sums start from zero and res is added once they are done, then rounded to bfloat16
+ * copy (in a buffer of each thread's, grown as calls need: a tile of 16 rows of k values would
+ * not always fit on an OpenMP thread's stack). The sums start from zero and res is added once they are done, then rounded to bfloat16
  * (to nearest even) once. Taken where k is a whole number of 32s and the kernel has permission
  * to use the tiles (gemm_amx). */
 #include <sys/syscall.h>
@@ -271,18 +273,33 @@ static inline __attribute__((always_inline)) void amx_block(const bf16_t *a0, in
     }
 }
 
-/* gemm_bf16_part's share on AMX: its panels, each over every row block. */
-static void gemm_bf16_amx_part(const bf16_t *x, int64_t m, int64_t k, int64_t ldx, const bf16_t *packed, int64_t n,
-                               const bf16_t *res, bf16_t *y, int64_t t, int64_t nt) {
+/* x's rows from `from` on (fewer than 16) and zero rows after them, 16 rows of k values, in this
+ * thread's buffer, grown as calls need (it lives as long as the thread: OpenMP keeps its threads);
+ * NULL where it cannot grow. */
+static const bf16_t *padded_tail(const bf16_t *x, int64_t m, int64_t k, int64_t ldx, int64_t from) {
+    static __thread bf16_t *buffer;
+    static __thread int64_t capacity;
+    if (16 * k > capacity) {
+        free(buffer);
+        capacity = 0;
+        if (!(buffer = malloc(16 * k * sizeof(bf16_t)))) return NULL;
+        capacity = 16 * k;
+    }
+    for (int64_t i = 0; i < m - from; i++) memcpy(buffer + i * k, x + (from + i) * ldx, k * sizeof(bf16_t));
+    memset(buffer + (m - from) * k, 0, (16 - (m - from)) * k * sizeof(bf16_t));
+    return buffer;
+}
+
+/* gemm_bf16_part's share on AMX: its panels, each over every row block; 0 where the last row
+ * tile's padded copy could not be made (nothing written: the caller takes the other path). */
+static int gemm_bf16_amx_part(const bf16_t *x, int64_t m, int64_t k, int64_t ldx, const bf16_t *packed, int64_t n,
+                              const bf16_t *res, bf16_t *y, int64_t t, int64_t nt) {
     const int64_t panels = (n + NR - 1) / NR, first = panels * t / nt, last = panels * (t + 1) / nt;
-    if (first == last) return;
+    if (first == last) return 1;
     const int64_t tiles = (m + 15) / 16, whole = m / 16, blocks = (tiles + 1) / 2;
     const int64_t panel_lines = k * NR * (int64_t)sizeof(bf16_t) / 64;
-    bf16_t tail[whole < tiles ? 16 * k : 1]; /* the last row tile's rows, zero-padded to 16 */
-    if (whole < tiles) {
-        memset(tail, 0, sizeof tail);
-        for (int64_t i = 0; i < m - 16 * whole; i++) memcpy(tail + i * k, x + (16 * whole + i) * ldx, k * sizeof(bf16_t));
-    }
+    const bf16_t *tail = whole < tiles ? padded_tail(x, m, k, ldx, 16 * whole) : NULL;
+    if (whole < tiles && !tail) return 0;
     float c[32 * NR];
     amx_configure();
     for (int64_t p = first; p < last; p++) {
@@ -312,12 +329,10 @@ static void gemm_bf16_amx_part(const bf16_t *x, int64_t m, int64_t k, int64_t ld
         }
     }
     _tile_release();
+    return 1;
 }
 #define AMX_TAKES(x, m, k, ldx, packed, n, res, y, t, nt) \
-    if (amx_on && (k) % AMX_K == 0) {                     \
-        gemm_bf16_amx_part(x, m, k, ldx, packed, n, res, y, t, nt); \
-        return;                                            \
-    }
+    if (amx_on && (k) % AMX_K == 0 && gemm_bf16_amx_part(x, m, k, ldx, packed, n, res, y, t, nt)) return
 #else
 #define AMX_TAKES(...)
 #endif
