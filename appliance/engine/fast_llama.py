@@ -178,7 +178,7 @@ def faster_own_rows(linears: Sequence[PackedLinear],
     return rows_won
 
 
-_OWN_ROWS: dict[tuple, int] = {}  # faster_own_rows per shapes, dtype and threads: timed once a process
+_OWN_ROWS: dict[tuple, int] = {}  # faster_own_rows per shapes, dtype, threads and AMX state: timed once a process
 
 
 def own_rows_on_this_cpu(linears: Sequence[PackedLinear]) -> int:
