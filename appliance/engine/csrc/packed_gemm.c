@@ -201,9 +201,9 @@ static inline __attribute__((always_inline)) void micro_bf16(const int rows, con
  * rows keeps four float32 tiles (2 row tiles x 2 column tiles), with two tiles of x and two of W
  * (all eight of the tile registers); the rows past m of the last row tile come from a zero-padded
  * copy (in a buffer of each thread's, grown as calls need: a tile of 16 rows of k values would
- * not always fit on an OpenMP thread's stack). The sums start from zero and res is added once they are done, then rounded to bfloat16
- * (to nearest even) once. Taken where k is a whole number of 32s and the kernel has permission
- * to use the tiles (gemm_amx). */
+ * not always fit on an OpenMP thread's stack). The sums start from zero and res is added once
+ * they are done, then rounded to bfloat16 (to nearest even) once. Taken where k is a whole number
+ * of 32s and the kernel has permission to use the tiles (gemm_amx). */
 #include <sys/syscall.h>
 #include <unistd.h>
 
