@@ -78,8 +78,7 @@ def test_kernel_matches_dense_attention(kernel, dtype, heads, kv_heads, head_dim
 def test_prefill_runs_after_decode_rows_match_dense_attention(kernel, dtype, heads, kv_heads, head_dim, block_size):
     """Decode rows, then two prefill chunks' rows (one from the start, one after a cached prefix:
     each chunk one block table, each row one position later), as the runner lays them out: in
-    bf16 where the CPU has AVX512-BF16 (the kernels' bf16 GEMM is built) and head sizes of whole
-    32s the chunks go through the tiled path (their context copied tile by tile), elsewhere row by
+    bf16 where the CPU has AVX512-BF16 and head sizes of whole 32s the chunks go through the tiled path (their context copied tile by tile), elsewhere row by
     row; both against dense attention."""
     decode_ctx, chunks = [37, 5], [(0, 21), (30, 19)]  # (prefix, rows)
     gen = torch.Generator().manual_seed(1)
@@ -210,10 +209,6 @@ def test_own_gemm_matches_f_linear(kernel, rows, n, k):
     assert kernel.supports_gemm(weight)
 
 
-def _has_avx512_bf16() -> bool:
-    return " avx512_bf16" in Path("/proc/cpuinfo").read_text()
-
-
 def _has_amx_bf16() -> bool:
     return " amx_bf16" in Path("/proc/cpuinfo").read_text()
 
@@ -229,20 +224,16 @@ def amx(request, kernel):
     kernel.use_amx(before)
 
 
-# rows: around the AVX-512 register block (10 rows) and AMX's row tiles (16) and blocks (32);
-# k: AMX takes whole 32s (the others run on AVX512-BF16); n: whole 32-column panels or a partial last one
-@pytest.mark.parametrize("rows", [1, 5, 10, 11, 13, 16, 17, 33, 64, 300])
+# rows: around the register blocks (6 rows with AVX2, 10 with AVX-512) and AMX's row tiles (16) and
+# blocks (32); k: AMX takes whole 32s (the others run on AVX512-BF16 or widen to float32); n: whole
+# panels (16 or 32 columns) or a partial last one
+@pytest.mark.parametrize("rows", [1, 5, 6, 10, 11, 13, 16, 17, 33, 64, 300])
 @pytest.mark.parametrize("n, k", [(96, 40), (50, 34), (50, 64), (960, 576)])
 def test_own_bfloat16_gemm_matches_float32_sums_rounded_once(kernel, amx, rows, n, k):
-    """Where the kernels were built for AVX512-BF16: x @ W.T (+ residual) summed in float32 and
-    rounded to bfloat16 once, as the reference below, on AMX tiles and on AVX512-BF16 alike;
-    elsewhere they take no bfloat16 weight."""
+    """x @ W.T (+ residual) summed in float32 and rounded to bfloat16 once, as the reference below,
+    on every path the CPU has: AMX tiles, AVX512-BF16, bfloat16 widened to float32."""
     gen = torch.Generator().manual_seed(rows * n)
     weight = torch.randn(n, k, generator=gen).bfloat16()
-    assert _has_avx512_bf16() or torch.bfloat16 not in kernel.gemm_dtypes  # built only for a CPU that has it
-    if torch.bfloat16 not in kernel.gemm_dtypes:  # no AVX512-BF16 (or a compiler too old to target it)
-        assert not kernel.supports_gemm(weight)
-        return
     assert kernel.supports_gemm(weight) and not kernel.supports_gemm(torch.zeros(n, k + 1, dtype=torch.bfloat16))
     packed = kernel.pack_gemm(weight)
     x, residual = torch.randn(rows, k, generator=gen).bfloat16(), torch.randn(rows, n, generator=gen).bfloat16()
@@ -296,7 +287,7 @@ def _teacher_forced_logits(runner, prompts: list[list[int]], continuations: list
     return [torch.stack(rows) for rows in logits]
 
 
-@pytest.mark.parametrize("own_rows", [None, 256])  # as timed here; the own GEMM forced up to 256 rows where built
+@pytest.mark.parametrize("own_rows", [None, 256])  # as timed here; the own GEMM forced up to 256 rows
 def test_bfloat16_kernels_are_as_close_to_float32_as_the_torch_path(loaded_model, kernel, monkeypatch, own_rows):
     # Greedy agreement between two bf16 paths is no criterion: after a near-tie either may pick
     # the other token (measured 111/160 agreeing tokens on one machine, 94 % on another). Instead
@@ -312,8 +303,6 @@ def test_bfloat16_kernels_are_as_close_to_float32_as_the_torch_path(loaded_model
     # slack leaves room for other machines' matmul rounding, while a kernel bug (a wrong slot, a
     # head, bf16 accumulation) adds far more. 0.08 bounds each path at ~4x what bf16 gives, so a
     # broken shared part fails both.
-    if own_rows is not None and torch.bfloat16 not in kernel.gemm_dtypes:
-        pytest.skip("the kernels' bfloat16 GEMM is not built on this CPU (no AVX512-BF16): the case as timed covers it")
     from appliance.engine.model_runner import ModelRunner
     from appliance.model_loader import load_model
 

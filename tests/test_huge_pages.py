@@ -57,6 +57,6 @@ def test_the_engine_keeps_its_kv_cache_and_packed_weights_in_arenas(make_engine)
     assert caches[0].data_ptr() % huge_pages.HUGE_PAGE == 0
     assert all(b.data_ptr() > a.data_ptr() for a, b in zip(caches, caches[1:]))  # one arena, in order
     owned = [lin.own for lin in runner.fast.linears() if lin.own is not None] if runner.fast else []
-    if owned:  # the kernels' GEMM took the weights (fp32 always; bf16 where the CPU has AVX512-BF16)
+    if owned:  # the kernels' GEMM took the weights
         assert owned[0].data_ptr() % huge_pages.HUGE_PAGE == 0
         assert all(b.data_ptr() > a.data_ptr() for a, b in zip(owned, owned[1:]))

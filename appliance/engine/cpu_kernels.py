@@ -9,8 +9,9 @@ cached per source, flags and CPU, loaded with ctypes.
 - `rms_norm`, `rotary_`, `silu_mul` do the llama layer's elementwise work in one pass each,
   where torch runs five to eight kernels.
 - `argmax_rows` picks greedy rows' tokens from the logits.
-- `gemm` (csrc/packed_gemm.c) multiplies float32 rows, or bfloat16 rows where the CPU has
-  AVX512-BF16 (on AMX tiles where it has those too), by a weight packed once for it
+- `gemm` (csrc/packed_gemm.c) multiplies float32 or bfloat16 rows (bfloat16 by `vdpbf16ps` where
+  the CPU has AVX512-BF16, on AMX tiles where it has those too, else widened to float32 in
+  registers) by a weight packed once for it
   (`pack_gemm`): at a decode step's row counts it beats oneDNN's packed matmul, on some CPUs up to
   a 512-row prefill chunk (the lean forward times the two and uses it where it wins).
 - `decoder_layers` (csrc/decoder_layers.c) runs every decoder layer of a step through the kernels
@@ -47,16 +48,17 @@ COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
 LINK_FLAGS = ["-shared", "-fopenmp"]
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+# each kernel's arguments and result, built as NAME_f32 and NAME_bf16
 _SIGNATURES = {
-    "paged_attend": [_P, _I, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I, _I, _F, _P, _I],
-    "rms_norm": [_P, _P, _F, _I, _I, _P, _I],
-    "rotary": [_P, _I, _I, _I, _I, _P, _P, _I],
-    "silu_mul": [_P, _I, _I, _P, _I],
-    "argmax_rows": [_P, _I, _I, _I, _P, _I],
+    "paged_attend": ([_P, _I, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I, _I, _F, _P, _I], None),
+    "rms_norm": ([_P, _P, _F, _I, _I, _P, _I], None),
+    "rotary": ([_P, _I, _I, _I, _I, _P, _P, _I], None),
+    "silu_mul": ([_P, _I, _I, _P, _I], None),
+    "argmax_rows": ([_P, _I, _I, _I, _P, _I], None),
+    "gemm": ([_P, _I, _I, _I, _P, _I, _P, _P, _I], None),
+    "decoder_layers": ([_P, _I, _I, _I, _P, _P, _I, _I, _I, _I, _P, _P, _P, _P, _I, _P, _I, _I, _I, _F, _P, _I],
+                       ctypes.c_int),
 }
-_GEMM_SIGNATURE = [_P, _I, _I, _I, _P, _I, _P, _P, _I]  # gemm_f32, and gemm_bf16 where built (AVX512-BF16)
-# decoder_layers_f32, and decoder_layers_bf16 where gemm_bf16 is built
-_LAYERS_SIGNATURE = [_P, _I, _I, _I, _P, _P, _I, _I, _I, _I, _P, _P, _P, _P, _I, _P, _I, _I, _I, _F, _P, _I]
 _state: dict[str, CpuKernels | None] = {}
 
 
@@ -86,19 +88,11 @@ class CpuKernels:
         self._lib = lib
         lib.gemm_amx.argtypes, lib.gemm_amx.restype = [ctypes.c_int], ctypes.c_int
         self.amx = bool(lib.gemm_amx(1))
-        self._gemms: dict[torch.dtype, ctypes._CFuncPtr] = {}
-        self._layers: dict[torch.dtype, ctypes._CFuncPtr] = {}
-        for dtype, suffix in _SUFFIX.items():
-            if hasattr(lib, f"gemm_{suffix}"):
-                fn = self._gemms[dtype] = getattr(lib, f"gemm_{suffix}")
-                fn.argtypes, fn.restype = _GEMM_SIGNATURE, None
-                fn = self._layers[dtype] = getattr(lib, f"decoder_layers_{suffix}")
-                fn.argtypes, fn.restype = _LAYERS_SIGNATURE, ctypes.c_int
         self._fns: dict[tuple[str, torch.dtype], ctypes._CFuncPtr] = {}
-        for name, argtypes in _SIGNATURES.items():
+        for name, (argtypes, restype) in _SIGNATURES.items():
             for dtype, suffix in _SUFFIX.items():
                 fn = getattr(lib, f"{name}_{suffix}")
-                fn.argtypes, fn.restype = argtypes, None
+                fn.argtypes, fn.restype = argtypes, restype
                 self._fns[name, dtype] = fn
 
     @staticmethod
@@ -111,11 +105,6 @@ class CpuKernels:
                 and num_heads // kv_heads <= self.max_group and head_dim <= self.max_dim
                 and head_dim % self.dim_multiple == 0)
 
-    @property
-    def gemm_dtypes(self) -> frozenset[torch.dtype]:
-        """The dtypes `gemm` was built for: float32, and bfloat16 where the compiler targeted AVX512-BF16."""
-        return frozenset(self._gemms)
-
     def use_amx(self, on: bool) -> bool:
         """Turn the bfloat16 GEMM's AMX path on or off (on by default where built and Linux grants
         the tiles; the other path is the AVX512-BF16 one); whether it is on now."""
@@ -123,8 +112,8 @@ class CpuKernels:
         return self.amx
 
     def supports_gemm(self, weight: torch.Tensor) -> bool:
-        """Whether `gemm` takes this weight: float32, or bfloat16 with an even k where built."""
-        return (weight.device.type == "cpu" and weight.dim() == 2 and weight.dtype in self._gemms
+        """Whether `gemm` takes this weight: float32, or bfloat16 with an even k."""
+        return (weight.device.type == "cpu" and weight.dim() == 2 and weight.dtype in _SUFFIX
                 and (weight.dtype == torch.float32 or weight.shape[1] % 2 == 0))
 
     def pack_gemm(self, weight: torch.Tensor) -> torch.Tensor:
@@ -147,8 +136,9 @@ class CpuKernels:
         if residual is not None:
             residual = residual.contiguous()
         out = x.new_empty(x.shape[0], n)
-        self._gemms[x.dtype](x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), packed.data_ptr(), n,
-                   None if residual is None else residual.data_ptr(), out.data_ptr(), torch.get_num_threads())
+        self._fns["gemm", x.dtype](x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), packed.data_ptr(), n,
+                                   None if residual is None else residual.data_ptr(), out.data_ptr(),
+                                   torch.get_num_threads())
         return out
 
     def paged_attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -185,13 +175,13 @@ class CpuKernels:
         hidden)` values in h's dtype. MemoryError, h untouched, where the step's small attention
         plan cannot be allocated."""
         rows, hidden = h.shape
-        assert h.dtype in self._layers and layers.shape[1] == self.layer_pointers and eps.shape == (layers.shape[0], 2)
+        assert h.dtype in _SUFFIX and layers.shape[1] == self.layer_pointers and eps.shape == (layers.shape[0], 2)
         assert all(t.is_contiguous() for t in (h, layers, eps, cos, sin, slot_mapping, block_tables, ctx_lens, work))
         assert layers.dtype == slot_mapping.dtype == block_tables.dtype == ctx_lens.dtype == torch.int64
         assert eps.dtype == torch.float32 and work.dtype == h.dtype and work.numel() >= shape.work_size(rows, hidden)
         assert slot_mapping.shape == ctx_lens.shape == (rows,) and block_tables.shape[0] == rows
         assert cos.shape == sin.shape == (rows, shape.head_dim)
-        failed = self._layers[h.dtype](
+        failed = self._fns["decoder_layers", h.dtype](
             h.data_ptr(), rows, hidden, layers.shape[0], layers.data_ptr(), eps.data_ptr(), shape.heads, shape.kv_heads,
             shape.head_dim, shape.inter, cos.data_ptr(), sin.data_ptr(), slot_mapping.data_ptr(), block_tables.data_ptr(),
             block_tables.shape[1], ctx_lens.data_ptr(), cold_rows, block_size, num_slots, scale, work.data_ptr(),

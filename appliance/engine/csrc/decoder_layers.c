@@ -115,6 +115,4 @@ void attend_plan_free(void *plan);
     }
 
 DEFINE_DECODER_LAYERS(f32, float)
-#ifdef __AVX512BF16__ /* where gemm_bf16 is built */
 DEFINE_DECODER_LAYERS(bf16, bf16_t)
-#endif
