@@ -592,7 +592,11 @@ JOINED_ID = "joined"
 def joined(fleet, tmp_path_factory):
     """`appliance serve --replicas 1 --ray-address ADDR` as an operator runs it: a process of its
     own that joins the module's running cluster (no second one), with Ray Serve autoscaling
-    between 1 and 2 replicas and a PostgreSQL store (as --ray-address requires)."""
+    between 1 and 2 replicas and a PostgreSQL store (as --ray-address requires). Its replicas run
+    in bfloat16 (what `--dtype auto` takes on CPUs with fast bf16) with a 256 MiB KV cache: on an
+    AMD EPYC Zen 3 (AVX2), where auto takes float32, four float32 replicas at once (this fleet's
+    two while it scaled, the module's two) beside the test process took the 24 GiB box past Ray's
+    memory threshold, and Ray killed the starting replica and its Serve controller."""
     import ray
     from ray import serve
 
@@ -601,7 +605,8 @@ def joined(fleet, tmp_path_factory):
 
     with postgres_server() as pg:
         server = start_server_process(
-            ["--no-dashboard", "--replica-id", JOINED_ID, "--db", pg.url,
+            ["--no-dashboard", "--replica-id", JOINED_ID, "--db", pg.url, "--dtype", "bfloat16",
+             "--kv-cache-memory", "256MiB",
              "--ray-address", ray.get_runtime_context().gcs_address, "--replicas", "1", "--min-replicas", "1",
              "--max-replicas", "2", "--target-ongoing-requests", "1", "--upscale-delay-s", "0",
              "--downscale-delay-s", "5", "--replica-num-cpus", "0.25"],
