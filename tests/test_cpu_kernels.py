@@ -78,8 +78,8 @@ def test_kernel_matches_dense_attention(kernel, dtype, heads, kv_heads, head_dim
 def test_prefill_runs_after_decode_rows_match_dense_attention(kernel, dtype, heads, kv_heads, head_dim, block_size):
     """Decode rows, then two prefill chunks' rows (one from the start, one after a cached prefix:
     each chunk one block table, each row one position later), as the runner lays them out: in
-    bf16 where the CPU has AVX512-BF16 and head sizes of whole 32s the chunks go through the tiled path (their context copied tile by tile), elsewhere row by
-    row; both against dense attention."""
+    bf16 where the CPU has AVX512-BF16 and head sizes of whole 32s the chunks go through the tiled
+    path (their context copied tile by tile), elsewhere row by row; both against dense attention."""
     decode_ctx, chunks = [37, 5], [(0, 21), (30, 19)]  # (prefix, rows)
     gen = torch.Generator().manual_seed(1)
     num_blocks = 32
@@ -247,6 +247,21 @@ def test_own_bfloat16_gemm_matches_float32_sums_rounded_once(kernel, amx, rows, 
                                (residual.float() + exact).bfloat16().float(), **tol)
     torch.testing.assert_close(kernel.gemm(strided, packed, n).float(),
                                torch.nn.functional.linear(strided.float(), weight.float()).bfloat16().float(), **tol)
+
+
+def test_own_bfloat16_gemm_rounds_to_nearest_even_and_keeps_inf_and_nan(kernel, amx):
+    """Sums exact in float32, so each output is one rounding, compared bit for bit with torch's:
+    a tie goes to the even neighbour (down, then up), a sum above a tie goes up (where truncating
+    would not), and inf and NaN come through."""
+    k, half_step = 32, 2.0 ** -8  # half of bfloat16's step at 1.0
+    rows = [[1.0, half_step], [1.0, 2 * half_step, half_step], [1.0, half_step, half_step / 2],
+            [float("inf")], [float("-inf")], [float("nan")]]
+    weight = torch.tensor([row + [0.0] * (k - len(row)) for row in rows]).bfloat16()
+    x = torch.ones(3, k, dtype=torch.bfloat16)
+    expected = (x.double() @ weight.double().T).float().bfloat16()
+    assert expected[0, :3].tolist() == [1.0, 1.0 + 4 * half_step, 1.0 + 2 * half_step]
+    got = kernel.gemm(x, kernel.pack_gemm(weight), weight.shape[0])
+    torch.testing.assert_close(got, expected, rtol=0, atol=0, equal_nan=True)
 
 
 def test_cli_flag_and_config_reach_the_engine_config():

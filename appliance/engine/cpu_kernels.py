@@ -11,9 +11,9 @@ cached per source, flags and CPU, loaded with ctypes.
 - `argmax_rows` picks greedy rows' tokens from the logits.
 - `gemm` (csrc/packed_gemm.c) multiplies float32 or bfloat16 rows (bfloat16 by `vdpbf16ps` where
   the CPU has AVX512-BF16, on AMX tiles where it has those too, else widened to float32 in
-  registers) by a weight packed once for it
-  (`pack_gemm`): at a decode step's row counts it beats oneDNN's packed matmul, on some CPUs up to
-  a 512-row prefill chunk (the lean forward times the two and uses it where it wins).
+  registers) by a weight packed once for it (`pack_gemm`): at a decode step's row counts it beats
+  oneDNN's packed matmul, on some CPUs up to a 512-row prefill chunk (the lean forward times the
+  two and uses it where it wins).
 - `decoder_layers` (csrc/decoder_layers.c) runs every decoder layer of a step through the kernels
   above in one call and one OpenMP parallel region, where the lean forward calls them one by one
   from Python.

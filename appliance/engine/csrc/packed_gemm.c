@@ -12,7 +12,8 @@
  * times; on an Intel Xeon with AVX-512, 2 cores, the spread prefetch took the model's 120 weights
  * at 16 / 32 / 64 rows from 32.3 / 42.8 / 67.5 ms to 26.5 / 36.8 / 59.5 ms). The micro-kernel
  * keeps MR x NR outputs in registers: MR = 10 with AVX-512 (20 of the 32 zmm registers), 6 with
- * AVX2 (12 of the 16 ymm). Not 12 with AVX-512, though 24 accumulators fit: each row of x is read
+ * AVX2 (12 of the 16 ymm; the bf16 path without AVX512-BF16 keeps three of them on the stack at
+ * 6 rows, for the widened weights). Not 12 with AVX-512, though 24 accumulators fit: each row of x is read
  * through its own pointer, and twelve row pointers plus the loop's own (k, panel, prefetch) need
  * more than the 16 general registers, so gcc 12 (-O3 -march=native) kept some in vector registers
  * and moved them back (vmovq) inside the inner loop. At 10 they fit: on an AMD EPYC Zen 5, 2 cores,
@@ -29,7 +30,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#ifdef __x86_64__
+#ifdef __AVX__
 #include <immintrin.h>
 #endif
 
@@ -346,8 +347,9 @@ static int gemm_bf16_amx_part(const bf16_t *x, int64_t m, int64_t k, int64_t ldx
  * rows the widening costs about a third of the arithmetic. */
 typedef uint32_t vu __attribute__((vector_size(VL * 4)));
 typedef uint16_t vh __attribute__((vector_size(VL * 2)));
-/* acc + a * b in one rounding; written as such so that -ffast-math cannot regroup a row's two
- * products (even k, odd k) into a multiply, a fused multiply-add and an add */
+/* acc + a * b in one rounding: as intrinsics, so that -ffast-math cannot regroup a row's two
+ * products (even k, odd k) into a multiply, a fused multiply-add and an add (one more instruction
+ * each; the plain form, where there is no FMA, may be regrouped) */
 #if defined(__AVX512F__)
 #define FMADD(a, b, acc) ((vf)_mm512_fmadd_ps((__m512)(a), (__m512)(b), (__m512)(acc)))
 #elif defined(__FMA__)
@@ -361,6 +363,12 @@ static inline __attribute__((always_inline)) vf bits_as_float(vu bits) {
     memcpy(&v, &bits, sizeof v);
     return v;
 }
+
+/* Each lane's pair's even-k value (its low half) as float32. */
+static inline __attribute__((always_inline)) vf even_half(vu pairs) { return bits_as_float(pairs << 16); }
+
+/* Each lane's pair's odd-k value (its high half) as float32. */
+static inline __attribute__((always_inline)) vf odd_half(vu pairs) { return bits_as_float(pairs & 0xffff0000u); }
 
 /* The pair of values at p in every 32-bit lane. Broadcast as a float32 from memory: given the
  * integer, gcc splits the pair with scalar shifts and moves each half over (twice the vector
@@ -410,11 +418,10 @@ static inline __attribute__((always_inline)) void micro_bf16(const int rows, con
         memcpy(&w0, panel + q * 2 * NR, sizeof w0);
         memcpy(&w1, panel + q * 2 * NR + 2 * VL, sizeof w1);
         PREFETCH_SHARE(next, lines, pairs, due);
-        const vf even0 = bits_as_float(w0 << 16), even1 = bits_as_float(w1 << 16);
-        const vf odd0 = bits_as_float(w0 & 0xffff0000u), odd1 = bits_as_float(w1 & 0xffff0000u);
+        const vf even0 = even_half(w0), even1 = even_half(w1), odd0 = odd_half(w0), odd1 = odd_half(w1);
         for (int i = 0; i < rows; i++) {
             const vu a = broadcast_pair(x + i * ldx + 2 * q);
-            const vf a_even = bits_as_float(a << 16), a_odd = bits_as_float(a & 0xffff0000u);
+            const vf a_even = even_half(a), a_odd = odd_half(a);
             acc[i][0] = FMADD(a_even, even0, acc[i][0]);
             acc[i][1] = FMADD(a_even, even1, acc[i][1]);
             acc[i][0] = FMADD(a_odd, odd0, acc[i][0]);
