@@ -14,9 +14,10 @@ runs that many rows unpacked where BLAS wins by PLAIN_MARGIN (`plain_rows`). Wit
 (cpu_kernels) the norms, the rotary embedding and the gated activation take one pass each, and
 in float32 and bfloat16 (on AMX tiles where the CPU has those, by `vdpbf16ps` where it has
 AVX512-BF16, widened to float32 in registers elsewhere) each weight gets a second packed copy
-for the kernels' own GEMM, which the forward times against oneDNN's once a process, on every layer's projections streamed as a step streams them, and uses
-up to the most rows where it won within OWN_MARGIN (`own_rows`: 64-256 on an AMD EPYC with AVX2,
-where it runs a decode step's matmuls 1.2-1.6x faster; in fp32 128 on an Intel Xeon with
+for the kernels' own GEMM, which the forward times against oneDNN's once a process, on every
+layer's projections streamed as a step streams them, and uses up to the most rows where it won
+within OWN_MARGIN (`own_rows`: 64-256 on an AMD EPYC with AVX2, where it runs a decode step's
+matmuls 1.2-1.6x faster; in fp32 128 on an Intel Xeon with
 AVX-512, 1.3-1.5x at 16-64 rows, where one hot weight timed alone had made it a coin toss from 16
 rows on; in bf16 1 there while oneDNN's AMX matmul was far ahead from 16 rows, 512 on such a
 Xeon once the own GEMM ran on AMX tiles too; in bf16 512 on an AMD EPYC Zen 5). Where every

@@ -13,10 +13,10 @@
  * at 16 / 32 / 64 rows from 32.3 / 42.8 / 67.5 ms to 26.5 / 36.8 / 59.5 ms). The micro-kernel
  * keeps MR x NR outputs in registers: MR = 10 with AVX-512 (20 of the 32 zmm registers), 6 with
  * AVX2 (12 of the 16 ymm; the bf16 path without AVX512-BF16 keeps three of them on the stack at
- * 6 rows, for the widened weights). Not 12 with AVX-512, though 24 accumulators fit: each row of x is read
- * through its own pointer, and twelve row pointers plus the loop's own (k, panel, prefetch) need
- * more than the 16 general registers, so gcc 12 (-O3 -march=native) kept some in vector registers
- * and moved them back (vmovq) inside the inner loop. At 10 they fit: on an AMD EPYC Zen 5, 2 cores,
+ * 6 rows, for the widened weights). Not 12 with AVX-512, though 24 accumulators fit: each row of
+ * x is read through its own pointer, and twelve row pointers plus the loop's own (k, panel,
+ * prefetch) need more than the 16 general registers, so gcc 12 (-O3 -march=native) kept some in
+ * vector registers and moved them back (vmovq) inside the inner loop. At 10 they fit: on an AMD EPYC Zen 5, 2 cores,
  * the model's 120 weights streamed, fp32 24 / 32 / 48 / 64 rows 1.14 / 1.03 / 1.09 / 1.10x faster
  * than at 12, bf16 48-512 rows 1.03-1.05x, 1-20 rows the same.
  *
@@ -343,8 +343,8 @@ static int gemm_bf16_amx_part(const bf16_t *x, int64_t m, int64_t k, int64_t ldx
  * float32 of the same value, so each 32-bit lane of a loaded pair gives its even-k value shifted
  * up by 16 bits and its odd-k value with the low half masked off, both exact; x's pair likewise,
  * and the products go into float32 sums by fused multiply-adds. The weight streams at half
- * float32's bytes, which is what bounds a step of a few rows; at a prefill chunk's hundreds of
- * rows the widening costs about a third of the arithmetic. */
+ * float32's bytes, which is what bounds a step of a few rows; from 64 rows on it runs at
+ * 0.85-0.92x float32's rate (AMD EPYC Zen 3, 2 cores). */
 typedef uint32_t vu __attribute__((vector_size(VL * 4)));
 typedef uint16_t vh __attribute__((vector_size(VL * 2)));
 /* acc + a * b in one rounding: as intrinsics, so that -ffast-math cannot regroup a row's two
@@ -372,7 +372,8 @@ static inline __attribute__((always_inline)) vf odd_half(vu pairs) { return bits
 
 /* The pair of values at p in every 32-bit lane. Broadcast as a float32 from memory: given the
  * integer, gcc splits the pair with scalar shifts and moves each half over (twice the vector
- * instructions: the model's 120 weights at 64 rows took 1.37x as long on an AMD EPYC Zen 3). */
+ * instructions: 120 weights of the model's shapes at 64 rows took 1.37x as long on an AMD EPYC
+ * Zen 3). */
 static inline __attribute__((always_inline)) vu broadcast_pair(const bf16_t *p) {
     float pair;
     memcpy(&pair, p, sizeof pair);
