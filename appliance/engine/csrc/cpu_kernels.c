@@ -249,6 +249,60 @@ static inline __attribute__((always_inline)) v16f round16_bf16(v16f v) {
     return out;
 }
 
+/* The attention kernel's per-row path works in the CPU's own vector width (VN floats: 16 with
+ * AVX-512, else 8, one AVX register): its queries, accumulators and per-token products. Written
+ * in 16-float vectors throughout, on AVX2 each is a pair of registers: a group's queries and
+ * accumulators (2 x 3 x 8 at head size 64 with 3 query heads to a KV head) and a chunk's 16
+ * products spilled to the stack on every token, and the kernel ran at 3-5 GB/s where the memory
+ * gives 20 (AMD EPYC Zen 3). GROUP_TILE query heads share each pass over a chunk's keys and values:
+ * as many as leave their queries or accumulators (D / VN registers each) three quarters of the
+ * register file, at least one. */
+#ifdef __AVX512F__
+#define VN 16
+#define VREGS 32
+typedef v16f vnf;
+#define loadn_f32 load16_f32
+#define loadn_bf16 load16_bf16
+#define storen_f32 store16_f32
+#define transpose_sumn transpose_sum16
+#else
+#define VN 8
+#define VREGS 16
+typedef float vnf __attribute__((vector_size(32)));
+typedef uint16_t v8h __attribute__((vector_size(16)));
+typedef uint32_t v8u __attribute__((vector_size(32)));
+
+static inline __attribute__((always_inline)) vnf loadn_f32(const float *p) {
+    vnf v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline __attribute__((always_inline)) vnf loadn_bf16(const bf16_t *p) {
+    v8h h;
+    memcpy(&h, p, sizeof h);
+    const v8u bits = __builtin_convertvector(h, v8u) << 16;
+    vnf v;
+    memcpy(&v, &bits, sizeof v);
+    return v;
+}
+
+static inline __attribute__((always_inline)) void storen_f32(float *p, vnf v) { memcpy(p, &v, sizeof v); }
+
+/* Lane t of the result = the sum of d[t]'s 8 lanes (transpose_sum16's folds at 8 lanes: the
+ * first pairs d[i] with d[i + 4] so that the lanes come out in order). */
+static inline __attribute__((always_inline)) vnf transpose_sumn(const vnf d[VN]) {
+    vnf c[4], e[2];
+    for (int i = 0; i < 4; i++) /* [first half of d[i] + its second half | same for d[i + 4]] */
+        c[i] = FOLD(d[i], d[i + 4], 0, 1, 2, 3, 8, 9, 10, 11) + FOLD(d[i], d[i + 4], 4, 5, 6, 7, 12, 13, 14, 15);
+    for (int i = 0; i < 2; i++) /* two partial sums for each of four vectors */
+        e[i] = FOLD(c[2 * i], c[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
+               FOLD(c[2 * i], c[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+    return FOLD(e[0], e[1], 0, 2, 8, 10, 4, 6, 12, 14) + FOLD(e[0], e[1], 1, 3, 9, 11, 5, 7, 13, 15);
+}
+#endif
+#define GROUP_TILE(D) ((VREGS * 3 / 4) / ((D) / VN) > 0 ? (VREGS * 3 / 4) / ((D) / VN) : 1)
+
 /* A walk over a row's cached tokens in order: the next token's block (index into the row's
  * block table), its offset in that block, and how many tokens came before it. */
 typedef struct {
@@ -309,17 +363,17 @@ static inline __attribute__((always_inline)) void prefetch_token(token_walk *w, 
 
 /* The attention kernel's query-key products. query_*: a query head's row as score_* reads it (in
  * float32 vectors; with AVX512-BF16 the bfloat16 row as it is). score_*: one cached key row
- * against the group's queries, dots[g][t] = a vector whose lanes sum to q_g . k (unscaled). */
+ * against G query heads, dots[g][t] = a vector whose lanes sum to q_g . k (unscaled). */
 #define DEFINE_SCORE(SUFFIX, T)                                                                      \
-    static inline __attribute__((always_inline)) void query_##SUFFIX(const T *q, v16f *qv, int64_t nv) { \
-        for (int64_t j = 0; j < nv; j++) qv[j] = load16_##SUFFIX(q + LANES * j);                     \
+    static inline __attribute__((always_inline)) void query_##SUFFIX(const T *q, vnf *qv, int64_t nv) { \
+        for (int64_t j = 0; j < nv; j++) qv[j] = loadn_##SUFFIX(q + VN * j);                         \
     }                                                                                                \
     static inline __attribute__((always_inline)) void score_##SUFFIX(                                \
-        const v16f qv[][MAX_DIM / LANES], int64_t G, const T *k_row, int64_t nv, v16f dots[][LANES], int64_t t) { \
-        v16f k[MAX_DIM / LANES];                                                                     \
-        for (int64_t j = 0; j < nv; j++) k[j] = load16_##SUFFIX(k_row + LANES * j);                  \
+        const vnf qv[][MAX_DIM / VN], int64_t G, const T *k_row, int64_t nv, vnf dots[][CHUNK], int64_t t) { \
+        vnf k[MAX_DIM / VN];                                                                         \
+        for (int64_t j = 0; j < nv; j++) k[j] = loadn_##SUFFIX(k_row + VN * j);                      \
         for (int64_t g = 0; g < G; g++) {                                                            \
-            v16f dot = qv[g][0] * k[0];                                                              \
+            vnf dot = qv[g][0] * k[0];                                                               \
             for (int64_t j = 1; j < nv; j++) dot += qv[g][j] * k[j];                                 \
             dots[g][t] = dot;                                                                        \
         }                                                                                            \
@@ -329,12 +383,12 @@ DEFINE_SCORE(f32, float)
 /* bfloat16 pairs multiplied and summed into float32 lanes by the CPU (vdpbf16ps: 32 products
  * per instruction, no conversion of the keys); an odd count of 16-value vectors ends on a
  * half-width load, its upper half zero. */
-static inline __attribute__((always_inline)) void query_bf16(const bf16_t *q, v16f *qv, int64_t nv) {
-    memset(qv, 0, (size_t)(nv + 1) / 2 * sizeof(v16f));
+static inline __attribute__((always_inline)) void query_bf16(const bf16_t *q, vnf *qv, int64_t nv) {
+    memset(qv, 0, (size_t)(nv + 1) / 2 * sizeof(vnf));
     memcpy(qv, q, (size_t)nv * LANES * sizeof(bf16_t));
 }
 static inline __attribute__((always_inline)) void score_bf16(
-    const v16f qv[][MAX_DIM / LANES], int64_t G, const bf16_t *k_row, int64_t nv, v16f dots[][LANES], int64_t t) {
+    const vnf qv[][MAX_DIM / VN], int64_t G, const bf16_t *k_row, int64_t nv, vnf dots[][CHUNK], int64_t t) {
     const int64_t pairs = (nv + 1) / 2;
     __m512bh k[MAX_DIM / (2 * LANES)];
     for (int64_t j = 0; j < pairs; j++)
@@ -556,11 +610,11 @@ static inline __attribute__((always_inline)) int tiled_f32(int64_t head_dim) { (
         const int64_t *block_tables, int64_t table_width, const int64_t *ctx_lens, int64_t cold_rows, int64_t kv_heads, \
         const int64_t D, const int64_t G, int64_t block_size, int64_t num_slots, float scale,       \
         T *out, int64_t item, int64_t next, int64_t warm) {                                          \
-        const int64_t nv = D / LANES;                                                                \
+        const int64_t nv = D / VN, tile = GROUP_TILE(D);                                             \
         const int64_t i = item / kv_heads, h = item % kv_heads, ctx = ctx_lens[i];                   \
         const int64_t *table = block_tables + i * table_width;                                       \
         const T *kh = k_cache + h * num_slots * D, *vh = v_cache + h * num_slots * D;                \
-        v16f qv[MAX_GROUP][MAX_DIM / LANES], acc[MAX_GROUP][MAX_DIM / LANES], dots[MAX_GROUP][LANES]; \
+        vnf qv[MAX_GROUP][MAX_DIM / VN], acc[MAX_GROUP][MAX_DIM / VN], dots[MAX_GROUP][CHUNK];       \
         float s[MAX_GROUP][SPAN] __attribute__((aligned(64))); /* a span's scores, then their exps */ \
         float m[MAX_GROUP], l[MAX_GROUP];                                                             \
         int64_t slots[SPAN]; /* the span's tokens' cache offsets (slot * D) */                        \
@@ -569,7 +623,7 @@ static inline __attribute__((always_inline)) int tiled_f32(int64_t head_dim) { (
         for (int64_t g = 0; g < G; g++) {                                                            \
             const T *qg = q + i * q_row_stride + (h * G + g) * q_head_stride;                        \
             query_##SUFFIX(qg, qv[g], nv);                                                           \
-            for (int64_t j = 0; j < nv; j++) acc[g][j] = (v16f){0};                                  \
+            for (int64_t j = 0; j < nv; j++) acc[g][j] = (vnf){0};                                   \
             m[g] = -3.0e38f; /* finite: -ffast-math assumes no infinities */                         \
             l[g] = 0.f;                                                                              \
         }                                                                                            \
@@ -592,18 +646,23 @@ static inline __attribute__((always_inline)) int tiled_f32(int64_t head_dim) { (
             const int64_t span = ctx - s0 < SPAN ? ctx - s0 : SPAN, chunks = (span + CHUNK - 1) / CHUNK; \
             for (int64_t c = 0; c < span; c += CHUNK) { /* the span's scores, a chunk at a time */   \
                 const int64_t n = span - c < CHUNK ? span - c : CHUNK;                               \
-                for (int64_t t = 0; t < n; t++) { /* each key row loaded once for the group */       \
+                for (int64_t t = 0; t < n; t++) {                                                    \
                     slots[c + t] = next_slot(&walk, table, block_size) * D;                          \
                     if (cold && near.token < ctx) prefetch_token(&near, table, block_size, row_bytes, kb, vb, 0); \
                     if (cold && far.token < ctx) prefetch_token(&far, table, block_size, row_bytes, kb, vb, 1); \
                     else if (ahead.token < ahead_end) /* the far walk is done: on into the next item's */ \
                         prefetch_token(&ahead, next_table, block_size, row_bytes, next_kb, next_vb, 1); \
-                    score_##SUFFIX((const v16f(*)[MAX_DIM / LANES])qv, G, kh + slots[c + t], nv, dots, t); \
                 }                                                                                    \
+                for (int64_t g0 = 0; g0 < G; g0 += tile) /* each key row loaded once for a tile */  \
+                    for (int64_t t = 0; t < n; t++)                                                  \
+                        score_##SUFFIX((const vnf(*)[MAX_DIM / VN])qv + g0, G - g0 < tile ? G - g0 : tile, \
+                                       kh + slots[c + t], nv, dots + g0, t);                         \
                 const v16i live = lane < (int32_t)n;                                                 \
                 for (int64_t g = 0; g < G; g++) {                                                    \
-                    for (int64_t t = n; t < CHUNK; t++) dots[g][t] = (v16f){0};                      \
-                    store16_f32(s[g] + c, select16(live, transpose_sum16(dots[g]) * scale, (v16f){0} - 3.0e38f)); \
+                    for (int64_t t = n; t < CHUNK; t++) dots[g][t] = (vnf){0};                       \
+                    for (int64_t e = 0; e < CHUNK; e += VN)                                          \
+                        storen_f32(s[g] + c + e, transpose_sumn(dots[g] + e) * scale);               \
+                    store16_f32(s[g] + c, select16(live, load16_f32(s[g] + c), (v16f){0} - 3.0e38f)); \
                 }                                                                                    \
             }                                                                                        \
             /* softmax over the span, its chunks' exps independent; lanes past its end hold -3e38, whose \
@@ -626,18 +685,22 @@ static inline __attribute__((always_inline)) int tiled_f32(int64_t head_dim) { (
                 l[g] += sum16(sum);                                                                  \
                 m[g] = top;                                                                          \
             }                                                                                        \
-            for (int64_t t = 0; t < span; t++) { /* values: each row loaded once for the group */    \
-                v16f v[MAX_DIM / LANES];                                                             \
-                for (int64_t j = 0; j < nv; j++) v[j] = load16_##SUFFIX(vh + slots[t] + LANES * j);  \
-                for (int64_t g = 0; g < G; g++)                                                      \
-                    for (int64_t j = 0; j < nv; j++) acc[g][j] += s[g][t] * v[j];                    \
-            }                                                                                        \
+            for (int64_t c = 0; c < span; c += CHUNK) /* values: each row loaded once for a tile */ \
+                for (int64_t g0 = 0; g0 < G; g0 += tile) {                                           \
+                    const int64_t g1 = G - g0 < tile ? G : g0 + tile, n = span - c < CHUNK ? span - c : CHUNK; \
+                    for (int64_t t = c; t < c + n; t++) {                                            \
+                        vnf v[MAX_DIM / VN];                                                         \
+                        for (int64_t j = 0; j < nv; j++) v[j] = loadn_##SUFFIX(vh + slots[t] + VN * j); \
+                        for (int64_t g = g0; g < g1; g++)                                            \
+                            for (int64_t j = 0; j < nv; j++) acc[g][j] += s[g][t] * v[j];            \
+                    }                                                                                \
+                }                                                                                    \
         }                                                                                            \
         for (int64_t g = 0; g < G; g++) {                                                            \
             T *og = out + (i * G * kv_heads + h * G + g) * D;                                        \
             const float inv = 1.f / l[g];                                                            \
             for (int64_t j = 0; j < nv; j++)                                                         \
-                for (int e = 0; e < LANES; e++) og[LANES * j + e] = STORE(acc[g][j][e] * inv);       \
+                for (int e = 0; e < VN; e++) og[VN * j + e] = STORE(acc[g][j][e] * inv);             \
         }                                                                                            \
         return ahead.token;                                                                          \
     }                                                                                                \
