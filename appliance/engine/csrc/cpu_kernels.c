@@ -3,10 +3,10 @@
  * - paged_attend_*: one query token per row against that row's cached context, read block by
  *   block straight from the paged KV cache (no gathered copy; the tiled bf16 prefill path below
  *   copies a chunk's context once into tiles), softmax per span of SPAN tokens, OpenMP over
- *   (row, KV head); the query heads that share a KV head are served by one pass over it, in
- *   16-float vectors (head_dim a multiple of 16). Each 16 tokens' scores of a query head are
- *   folded into one vector (transpose_sum16), exponentiated together (exp16) once the span's
- *   maximum is known. A row is a decode row or one of a prefill chunk's (a query over its
+ *   (row, KV head); the query heads that share a KV head are served by one pass over it (or
+ *   several, HEADS_PER_PASS), in the CPU's own vector width (VN; head_dim a multiple of 16). Each
+ *   16 tokens' scores of a query head are folded into 16 lanes (transpose_sumv), exponentiated
+ *   together (exp16) once the span's maximum is known. A row is a decode row or one of a prefill chunk's (a query over its
  *   sequence's slots up to itself); the first `cold_rows` rows' contexts are prefetched ahead
  *   (see prefetch_token). In bfloat16 with AVX512-BF16 and head sizes of whole 32s a prefill
  *   chunk's rows share tiles of their context instead (see chunk_run).
@@ -30,7 +30,7 @@
 #include <immintrin.h>
 #endif
 
-#define CHUNK 16 /* tokens scored together: one vector of scores (LANES) */
+#define CHUNK 16 /* tokens scored together: 16 lanes of scores (LANES) */
 /* Tokens of a row's context per softmax pass of the per-row path: every score of the span first,
  * then its maximum, its exps (independent vectors that pipeline) and their sum, then the values.
  * With the softmax taken per 16-token chunk instead, each chunk's max, exp and sum formed one
@@ -71,8 +71,8 @@ static inline bf16_t f32_to_bf16(float f) { /* round to nearest even, as torch d
 #define F32_ROUND(x) (x)
 #define BF16_ROUND(x) bf16_to_f32(f32_to_bf16(x))
 
-/* 16 floats: one AVX-512 register, two AVX ones (gcc lowers the vector type to what -march has).
- * The attention kernel works on head_dim / 16 of them per cached token. */
+/* 16 floats: one AVX-512 register, two AVX ones (gcc lowers the vector type to what -march has):
+ * the elementwise kernels' and the attention softmax's vector. */
 typedef float v16f __attribute__((vector_size(64)));
 typedef float v8f __attribute__((vector_size(32)));
 typedef uint16_t v16h __attribute__((vector_size(32)));
@@ -144,8 +144,9 @@ static inline __attribute__((always_inline)) v16f select16(v16i mask, v16f a, v1
 
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
 /* A 16-float vector as the two AVX registers gcc holds it in, and back. */
-#define HALF8(v, first) ((__m256)__builtin_shufflevector(v, v, first, first + 1, first + 2, first + 3, first + 4, \
-                                                         first + 5, first + 6, first + 7))
+#define HALF8(v, first)                                                                              \
+    ((__m256)__builtin_shufflevector(v, v, (first), (first) + 1, (first) + 2, (first) + 3, (first) + 4, \
+                                     (first) + 5, (first) + 6, (first) + 7))
 static inline __attribute__((always_inline)) v16f join8(__m256 lo, __m256 hi) {
     return __builtin_shufflevector((v8f)lo, (v8f)hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
 }
@@ -182,8 +183,8 @@ static inline __attribute__((always_inline)) uint32_t equal16(v16f v, float x) {
  * two parts (Cody-Waite), then the polynomial by Horner's rule. */
 #define EXP_REDUCED(x, nf)                                                                           \
     ({                                                                                               \
-        const __typeof__(x) r_ = ((x) - (nf) * 0.693359375f) + (nf) * 2.12194440e-4f;                \
-        __typeof__(x) p_ = r_ * (1.f / 5040) + (1.f / 720);                                          \
+        const __auto_type r_ = ((x) - (nf) * 0.693359375f) + (nf) * 2.12194440e-4f;                  \
+        __auto_type p_ = r_ * (1.f / 5040) + (1.f / 720);                                            \
         p_ = p_ * r_ + (1.f / 120);                                                                  \
         p_ = p_ * r_ + (1.f / 24);                                                                   \
         p_ = p_ * r_ + (1.f / 6);                                                                    \
@@ -194,8 +195,8 @@ static inline __attribute__((always_inline)) uint32_t equal16(v16f v, float x) {
 
 #ifdef AVX2_HALVES
 /* exp16's steps on one AVX register, in instructions AVX2 has (min/max, round, the exponent's bits
- * shifted into place): the generic form's selects take four instructions each (AMD EPYC Zen 3: the
- * attention kernel's softmax then a sixth of its time). */
+ * shifted into place), where the generic form's selects take four instructions each (AMD EPYC
+ * Zen 3, the attention kernel alone, its context in cache: about 0.9x the time). */
 static inline __attribute__((always_inline)) __m256 exp8(__m256 x) {
     x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(EXP_HI)), _mm256_set1_ps(EXP_LO));
     const __m256 nf = _mm256_round_ps(x * 1.44269504f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -280,21 +281,23 @@ static inline __attribute__((always_inline)) v16f round16_bf16(v16f v) {
 }
 
 /* The attention kernel's per-row path works in the CPU's own vector width (VN floats: 16 with
- * AVX-512, else 8, one AVX register): its queries, accumulators and per-token products. Written
- * in 16-float vectors throughout, on AVX2 each is a pair of registers: a group's queries and
- * accumulators (2 x 3 x 8 at head size 64 with 3 query heads to a KV head) and a chunk's 16
- * products spilled to the stack on every token, and the kernel ran at 3-5 GB/s where the memory
- * gives 20 (AMD EPYC Zen 3). GROUP_TILE query heads share each pass over a chunk's keys and values:
- * as many as leave their queries or accumulators (D / VN registers each) three quarters of the
- * register file, at least one. */
+ * AVX-512, else 8: one AVX register, two SSE or NEON ones): its queries, accumulators and
+ * per-token products. It used 16-float vectors everywhere before, a pair of registers each on
+ * AVX2, and there the group's queries and accumulators (2 x 3 x 8 registers at head size 64 with
+ * 3 query heads to a KV head) and a chunk's 16 products went through the stack on every token:
+ * cold decode attention ran at 4-5 GB/s where the box reads this access pattern at 20 (AMD EPYC
+ * Zen 3). HEADS_PER_PASS query heads share each pass over a chunk's keys and values: as many as
+ * fit their queries or accumulators (D / VN registers each) into three quarters of the register
+ * file, at least one (all of them at head size 64 with up to 6 to a KV head on AVX-512, one at a
+ * time on AVX2). */
 #ifdef __AVX512F__
 #define VN 16
 #define VREGS 32
 typedef v16f vnf;
-#define loadn_f32 load16_f32
-#define loadn_bf16 load16_bf16
-#define storen_f32 store16_f32
-#define transpose_sumn transpose_sum16
+#define loadv_f32 load16_f32
+#define loadv_bf16 load16_bf16
+#define storev_f32 store16_f32
+#define transpose_sumv transpose_sum16
 #else
 #define VN 8
 #define VREGS 16
@@ -302,13 +305,13 @@ typedef v8f vnf;
 typedef uint16_t v8h __attribute__((vector_size(16)));
 typedef uint32_t v8u __attribute__((vector_size(32)));
 
-static inline __attribute__((always_inline)) vnf loadn_f32(const float *p) {
+static inline __attribute__((always_inline)) vnf loadv_f32(const float *p) {
     vnf v;
     memcpy(&v, p, sizeof v);
     return v;
 }
 
-static inline __attribute__((always_inline)) vnf loadn_bf16(const bf16_t *p) {
+static inline __attribute__((always_inline)) vnf loadv_bf16(const bf16_t *p) {
     v8h h;
     memcpy(&h, p, sizeof h);
     const v8u bits = __builtin_convertvector(h, v8u) << 16;
@@ -317,11 +320,11 @@ static inline __attribute__((always_inline)) vnf loadn_bf16(const bf16_t *p) {
     return v;
 }
 
-static inline __attribute__((always_inline)) void storen_f32(float *p, vnf v) { memcpy(p, &v, sizeof v); }
+static inline __attribute__((always_inline)) void storev_f32(float *p, vnf v) { memcpy(p, &v, sizeof v); }
 
 /* Lane t of the result = the sum of d[t]'s 8 lanes (transpose_sum16's folds at 8 lanes: the
  * first pairs d[i] with d[i + 4] so that the lanes come out in order). */
-static inline __attribute__((always_inline)) vnf transpose_sumn(const vnf d[VN]) {
+static inline __attribute__((always_inline)) vnf transpose_sumv(const vnf d[VN]) {
     vnf c[4], e[2];
     for (int i = 0; i < 4; i++) /* [first half of d[i] + its second half | same for d[i + 4]] */
         c[i] = FOLD(d[i], d[i + 4], 0, 1, 2, 3, 8, 9, 10, 11) + FOLD(d[i], d[i + 4], 4, 5, 6, 7, 12, 13, 14, 15);
@@ -331,7 +334,8 @@ static inline __attribute__((always_inline)) vnf transpose_sumn(const vnf d[VN])
     return FOLD(e[0], e[1], 0, 2, 8, 10, 4, 6, 12, 14) + FOLD(e[0], e[1], 1, 3, 9, 11, 5, 7, 13, 15);
 }
 #endif
-#define GROUP_TILE(D) ((VREGS * 3 / 4) / ((D) / VN) > 0 ? (VREGS * 3 / 4) / ((D) / VN) : 1)
+#define HEADS_PER_PASS(D) ((VREGS * 3 / 4) / ((D) / VN) > 0 ? (VREGS * 3 / 4) / ((D) / VN) : 1)
+_Static_assert(CHUNK == LANES && CHUNK % VN == 0, "a chunk's scores: whole vectors, one 16-lane softmax vector");
 
 /* A walk over a row's cached tokens in order: the next token's block (index into the row's
  * block table), its offset in that block, and how many tokens came before it. */
@@ -396,12 +400,12 @@ static inline __attribute__((always_inline)) void prefetch_token(token_walk *w, 
  * against G query heads, dots[g][t] = a vector whose lanes sum to q_g . k (unscaled). */
 #define DEFINE_SCORE(SUFFIX, T)                                                                      \
     static inline __attribute__((always_inline)) void query_##SUFFIX(const T *q, vnf *qv, int64_t nv) { \
-        for (int64_t j = 0; j < nv; j++) qv[j] = loadn_##SUFFIX(q + VN * j);                         \
+        for (int64_t j = 0; j < nv; j++) qv[j] = loadv_##SUFFIX(q + VN * j);                         \
     }                                                                                                \
     static inline __attribute__((always_inline)) void score_##SUFFIX(                                \
         const vnf qv[][MAX_DIM / VN], int64_t G, const T *k_row, int64_t nv, vnf dots[][CHUNK], int64_t t) { \
         vnf k[MAX_DIM / VN];                                                                         \
-        for (int64_t j = 0; j < nv; j++) k[j] = loadn_##SUFFIX(k_row + VN * j);                      \
+        for (int64_t j = 0; j < nv; j++) k[j] = loadv_##SUFFIX(k_row + VN * j);                      \
         for (int64_t g = 0; g < G; g++) {                                                            \
             vnf dot = qv[g][0] * k[0];                                                               \
             for (int64_t j = 1; j < nv; j++) dot += qv[g][j] * k[j];                                 \
@@ -412,17 +416,17 @@ DEFINE_SCORE(f32, float)
 #ifdef __AVX512BF16__
 /* bfloat16 pairs multiplied and summed into float32 lanes by the CPU (vdpbf16ps: 32 products
  * per instruction, no conversion of the keys); an odd count of 16-value vectors ends on a
- * half-width load, its upper half zero. */
+ * half-width load, its upper half zero. (AVX512-BF16 implies AVX-512: VN is LANES here.) */
 static inline __attribute__((always_inline)) void query_bf16(const bf16_t *q, vnf *qv, int64_t nv) {
     memset(qv, 0, (size_t)(nv + 1) / 2 * sizeof(vnf));
-    memcpy(qv, q, (size_t)nv * LANES * sizeof(bf16_t));
+    memcpy(qv, q, (size_t)nv * VN * sizeof(bf16_t));
 }
 static inline __attribute__((always_inline)) void score_bf16(
     const vnf qv[][MAX_DIM / VN], int64_t G, const bf16_t *k_row, int64_t nv, vnf dots[][CHUNK], int64_t t) {
     const int64_t pairs = (nv + 1) / 2;
-    __m512bh k[MAX_DIM / (2 * LANES)];
+    __m512bh k[MAX_DIM / (2 * VN)];
     for (int64_t j = 0; j < pairs; j++)
-        k[j] = (__m512bh)_mm512_maskz_loadu_epi16(2 * j + 1 < nv ? ~0u : 0xffffu, k_row + 2 * LANES * j);
+        k[j] = (__m512bh)_mm512_maskz_loadu_epi16(2 * j + 1 < nv ? ~0u : 0xffffu, k_row + 2 * VN * j);
     for (int64_t g = 0; g < G; g++) {
         __m512 dot = _mm512_setzero_ps();
         for (int64_t j = 0; j < pairs; j++) dot = _mm512_dpbf16_ps(dot, (__m512bh)qv[g][j], k[j]);
@@ -446,7 +450,7 @@ DEFINE_SCORE(bf16, bf16_t)
 /* A prefill chunk's rows, in bfloat16 with AVX512-BF16 (head size a multiple of 32): the rows
  * that follow the decode rows come in runs of one sequence (one block table, each row one
  * position later), each a query over its context up to itself. The per-row path reads that
- * context anew for every row and folds each token's products into a score (transpose_sum16);
+ * context anew for every row and folds each token's products into a score (transpose_sumv);
  * here each KV head's context is first copied, per 16-token tile, keys transposed into
  * (dimension pair, token) order and values interleaved by token pairs, and then every row's scores
  * for a tile come out of D/2 vdpbf16ps (a broadcast pair of the query against 16 tokens' pairs)
@@ -640,7 +644,7 @@ static inline __attribute__((always_inline)) int tiled_f32(int64_t head_dim) { (
         const int64_t *block_tables, int64_t table_width, const int64_t *ctx_lens, int64_t cold_rows, int64_t kv_heads, \
         const int64_t D, const int64_t G, int64_t block_size, int64_t num_slots, float scale,       \
         T *out, int64_t item, int64_t next, int64_t warm) {                                          \
-        const int64_t nv = D / VN, tile = GROUP_TILE(D);                                             \
+        const int64_t nv = D / VN, per_pass = HEADS_PER_PASS(D);                                      \
         const int64_t i = item / kv_heads, h = item % kv_heads, ctx = ctx_lens[i];                   \
         const int64_t *table = block_tables + i * table_width;                                       \
         const T *kh = k_cache + h * num_slots * D, *vh = v_cache + h * num_slots * D;                \
@@ -676,23 +680,28 @@ static inline __attribute__((always_inline)) int tiled_f32(int64_t head_dim) { (
             const int64_t span = ctx - s0 < SPAN ? ctx - s0 : SPAN, chunks = (span + CHUNK - 1) / CHUNK; \
             for (int64_t c = 0; c < span; c += CHUNK) { /* the span's scores, a chunk at a time */   \
                 const int64_t n = span - c < CHUNK ? span - c : CHUNK;                               \
+                /* each key row loaded once for a pass's heads; the first pass's products ride along \
+                 * with the walks (the only pass where all the heads fit in one) */                  \
                 for (int64_t t = 0; t < n; t++) {                                                    \
                     slots[c + t] = next_slot(&walk, table, block_size) * D;                          \
                     if (cold && near.token < ctx) prefetch_token(&near, table, block_size, row_bytes, kb, vb, 0); \
                     if (cold && far.token < ctx) prefetch_token(&far, table, block_size, row_bytes, kb, vb, 1); \
                     else if (ahead.token < ahead_end) /* the far walk is done: on into the next item's */ \
                         prefetch_token(&ahead, next_table, block_size, row_bytes, next_kb, next_vb, 1); \
+                    score_##SUFFIX((const vnf(*)[MAX_DIM / VN])qv, G < per_pass ? G : per_pass, kh + slots[c + t], \
+                                   nv, dots, t);                                                     \
                 }                                                                                    \
-                for (int64_t g0 = 0; g0 < G; g0 += tile) /* each key row loaded once for a tile */  \
+                for (int64_t g0 = per_pass; g0 < G; g0 += per_pass)                                  \
                     for (int64_t t = 0; t < n; t++)                                                  \
-                        score_##SUFFIX((const vnf(*)[MAX_DIM / VN])qv + g0, G - g0 < tile ? G - g0 : tile, \
+                        score_##SUFFIX((const vnf(*)[MAX_DIM / VN])qv + g0, G - g0 < per_pass ? G - g0 : per_pass, \
                                        kh + slots[c + t], nv, dots + g0, t);                         \
                 const v16i live = lane < (int32_t)n;                                                 \
                 for (int64_t g = 0; g < G; g++) {                                                    \
                     for (int64_t t = n; t < CHUNK; t++) dots[g][t] = (vnf){0};                       \
                     for (int64_t e = 0; e < CHUNK; e += VN)                                          \
-                        storen_f32(s[g] + c + e, transpose_sumn(dots[g] + e) * scale);               \
-                    store16_f32(s[g] + c, select16(live, load16_f32(s[g] + c), (v16f){0} - 3.0e38f)); \
+                        storev_f32(s[g] + c + e, transpose_sumv(dots[g] + e) * scale);               \
+                    if (n < CHUNK) /* the span's last chunk: lanes past its end out of the softmax */ \
+                        store16_f32(s[g] + c, select16(live, load16_f32(s[g] + c), (v16f){0} - 3.0e38f)); \
                 }                                                                                    \
             }                                                                                        \
             /* softmax over the span, its chunks' exps independent; lanes past its end hold -3e38, whose \
@@ -715,16 +724,18 @@ static inline __attribute__((always_inline)) int tiled_f32(int64_t head_dim) { (
                 l[g] += sum16(sum);                                                                  \
                 m[g] = top;                                                                          \
             }                                                                                        \
-            for (int64_t c = 0; c < span; c += CHUNK) /* values: each row loaded once for a tile */ \
-                for (int64_t g0 = 0; g0 < G; g0 += tile) {                                           \
-                    const int64_t g1 = G - g0 < tile ? G : g0 + tile, n = span - c < CHUNK ? span - c : CHUNK; \
+            for (int64_t c = 0; c < span; c += CHUNK) { /* values: each row loaded once for a pass's heads */ \
+                const int64_t n = span - c < CHUNK ? span - c : CHUNK;                               \
+                for (int64_t g0 = 0; g0 < G; g0 += per_pass) {                                       \
+                    const int64_t g1 = G - g0 < per_pass ? G : g0 + per_pass;                        \
                     for (int64_t t = c; t < c + n; t++) {                                            \
                         vnf v[MAX_DIM / VN];                                                         \
-                        for (int64_t j = 0; j < nv; j++) v[j] = loadn_##SUFFIX(vh + slots[t] + VN * j); \
+                        for (int64_t j = 0; j < nv; j++) v[j] = loadv_##SUFFIX(vh + slots[t] + VN * j); \
                         for (int64_t g = g0; g < g1; g++)                                            \
                             for (int64_t j = 0; j < nv; j++) acc[g][j] += s[g][t] * v[j];            \
                     }                                                                                \
                 }                                                                                    \
+            }                                                                                        \
         }                                                                                            \
         for (int64_t g = 0; g < G; g++) {                                                            \
             T *og = out + (i * G * kv_heads + h * G + g) * D;                                        \
