@@ -285,8 +285,8 @@ static inline __attribute__((always_inline)) v16f round16_bf16(v16f v) {
  * per-token products. It used 16-float vectors everywhere before, a pair of registers each on
  * AVX2, and there the group's queries and accumulators (2 x 3 x 8 registers at head size 64 with
  * 3 query heads to a KV head) and a chunk's 16 products went through the stack on every token:
- * cold decode attention ran at 4-5 GB/s where the box reads this access pattern at 20 (AMD EPYC
- * Zen 3). HEADS_PER_PASS query heads share each pass over a chunk's keys and values: as many as
+ * cold decode attention ran at 4-5 GB/s on two threads where a plain loop reads this access
+ * pattern at 10 on one (AMD EPYC Zen 3). HEADS_PER_PASS query heads share each pass over a chunk's keys and values: as many as
  * fit their queries or accumulators (D / VN registers each) into three quarters of the register
  * file, at least one (all of them at head size 64 with up to 6 to a KV head on AVX-512, one at a
  * time on AVX2). */
