@@ -6,10 +6,11 @@
  *   (row, KV head); the query heads that share a KV head are served by one pass over it (or
  *   several, HEADS_PER_PASS), in the CPU's own vector width (VN; head_dim a multiple of 16). Each
  *   16 tokens' scores of a query head are folded into 16 lanes (transpose_sumv), exponentiated
- *   together (exp16) once the span's maximum is known. A row is a decode row or one of a prefill chunk's (a query over its
- *   sequence's slots up to itself); the first `cold_rows` rows' contexts are prefetched ahead
- *   (see prefetch_token). In bfloat16 with AVX512-BF16 and head sizes of whole 32s a prefill
- *   chunk's rows share tiles of their context instead (see chunk_run).
+ *   together (exp16) once the span's maximum is known. A row is a decode row or one of a prefill
+ *   chunk's (a query over its sequence's slots up to itself); the first `cold_rows` rows'
+ *   contexts are prefetched ahead (see prefetch_token). In bfloat16 with AVX512-BF16 and head
+ *   sizes of whole 32s a prefill chunk's rows share tiles of their context instead (see
+ *   chunk_run).
  * - rms_norm_*, rotary_*, silu_mul_*: the llama layer's elementwise work, one pass each where
  *   torch needs five to eight kernels (and as many passes over memory), in 16-float vectors;
  *   silu_mul with exp16 and recip16.
@@ -286,10 +287,10 @@ static inline __attribute__((always_inline)) v16f round16_bf16(v16f v) {
  * AVX2, and there the group's queries and accumulators (2 x 3 x 8 registers at head size 64 with
  * 3 query heads to a KV head) and a chunk's 16 products went through the stack on every token:
  * cold decode attention ran at 4-5 GB/s on two threads where a plain loop reads this access
- * pattern at 10 on one (AMD EPYC Zen 3). HEADS_PER_PASS query heads share each pass over a chunk's keys and values: as many as
- * fit their queries or accumulators (D / VN registers each) into three quarters of the register
- * file, at least one (all of them at head size 64 with up to 6 to a KV head on AVX-512, one at a
- * time on AVX2). */
+ * pattern at 10 on one (AMD EPYC Zen 3). HEADS_PER_PASS query heads share each pass over a
+ * chunk's keys and values: as many as fit their queries or accumulators (D / VN registers each)
+ * into three quarters of the register file, at least one (all of them at head size 64 with up to
+ * 6 to a KV head on AVX-512, one at a time on AVX2). */
 #ifdef __AVX512F__
 #define VN 16
 #define VREGS 32
